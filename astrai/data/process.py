@@ -1,0 +1,341 @@
+"""Records to token ids and labels: sections, sources, mask rules, filters and truncation.
+
+One `Processor` per (pipeline, tokenizer). `process_batch` takes a batch of records and returns,
+per record, a `Doc` (kept), a `Filtered` (dropped with a reason) or a `RecordError` (bad input).
+Texts of the whole batch are tokenized together with `encode_batch` (the Rust tokenizer's threads).
+
+Sections (single output) or sources (one token sequence per named source) are built the same way:
+- template sections render the field's messages (a list of fields is concatenated, e.g.
+  [prompt, chosen]) once with the chat template; labels come from `astrai.data.mask`;
+- train/mask sections tokenize the field's text on its own and concatenate (prompt/completion
+  data: this is how the prompt is tokenized at inference, so the boundary is the real one);
+- value sections copy a raw value (a reward, a score) without tokenizing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from astrai.config import Pipeline, Section
+from astrai.data.errors import RecordError
+from astrai.data.mask import IGNORE, RenderedChat, generation_prompt, label_tokens, message_of_tokens, render_with_regions
+from astrai.data.template import ChatTemplate, resolve_template
+from astrai.data.tokenizer import Tokenizer, with_added_tokens
+
+ITEM = "$item"
+
+
+@dataclass
+class Seq:
+    """One token sequence (a document) with its labels and what inspect/stats need to know."""
+
+    input_ids: np.ndarray
+    labels: Optional[np.ndarray]
+    token_msg: np.ndarray  # message index per token (-1: template text / non-chat section)
+    roles: list[str]  # role of each message index
+    truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def trained(self) -> int:
+        return len(self.input_ids) if self.labels is None else int((self.labels != IGNORE).sum())
+
+
+@dataclass
+class Doc:
+    seqs: dict[str, Union[Seq, list[Seq]]]  # "" for single output; source names otherwise
+    values: dict[str, Any] = field(default_factory=dict)
+    domain: Optional[str] = None
+    chars: int = 0
+
+
+@dataclass
+class Filtered:
+    reason: str
+    detail: str = ""
+
+
+Result = Union[Doc, Filtered, RecordError]
+
+
+@dataclass
+class _Part:
+    text: str
+    add_special: bool
+    train: bool
+    chat: Optional[RenderedChat] = None
+    roles: list[str] = field(default_factory=list)
+
+
+class Processor:
+    def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer, base_dir=None, template: Optional[ChatTemplate] = None):
+        self.p = pipeline
+        self.tok = with_added_tokens(tokenizer, pipeline.added_tokens)
+        self.template = template
+        if self.template is None and pipeline.chat_template is not None:
+            self.template = resolve_template(pipeline.chat_template, self.tok, base_dir)
+        self.special = dict(self.tok.special_tokens_map)
+        self.kwargs = dict(pipeline.input.template_kwargs)
+        self.gen_prompt = generation_prompt(self.template, self.special, self.kwargs) if self.template else ""
+        self.roles_allowed = set(pipeline.mask)
+        if pipeline.input.sections is not None:
+            self.sources = {"": (pipeline.input.sections, None)}
+        else:
+            self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
+
+    @property
+    def has_labels(self) -> bool:
+        """False for plain-text pretraining: every section trains all its tokens, so labels are omitted."""
+        return any(s.template or s.action == "mask" for secs, _ in self.sources.values() for s in secs)
+
+    # -- public -------------------------------------------------------------------------------
+
+    def process_batch(self, records: list[dict]) -> list[Result]:
+        prepared: list[Union[tuple, Filtered, RecordError]] = []
+        texts: dict[bool, list[str]] = {True: [], False: []}
+        for rec in records:
+            try:
+                prepared.append(self._prepare(rec))
+            except RecordError as e:
+                prepared.append(e)
+                continue
+            if isinstance(prepared[-1], Filtered):
+                continue
+            for part in _parts_of(prepared[-1][0]):
+                texts[part.add_special].append(part.text)
+        encoded = {flag: iter(self.tok.tok.encode_batch(t, add_special_tokens=flag)) if t else iter(())
+                   for flag, t in texts.items()}
+        out: list[Result] = []
+        for prep in prepared:
+            if isinstance(prep, (Filtered, RecordError)):
+                out.append(prep)
+                continue
+            # every prepared record takes its encodings in order, even if it fails below
+            encs = [next(encoded[part.add_special]) for part in _parts_of(prep[0])]
+            try:
+                out.append(self._assemble(prep, iter(encs)))
+            except RecordError as e:
+                out.append(e)
+        return out
+
+    def process_one(self, record: dict) -> Result:
+        return self.process_batch([record])[0]
+
+    # -- prepare: validate, render, collect texts ----------------------------------------------
+
+    def _prepare(self, rec: dict):
+        parts_by_source: dict[str, Union[list[_Part], list[list[_Part]]]] = {}
+        values: dict[str, Any] = {}
+        chars = 0
+        for name, (sections, list_field) in self.sources.items():
+            if list_field is None:
+                parts, vals, n = self._prepare_sections(rec, sections, name)
+                parts_by_source[name] = parts
+                chars += n
+                values.update(vals)
+            else:
+                items = _field(rec, list_field)
+                if not isinstance(items, list) or not items:
+                    raise RecordError("wrong_type", f"must be a non-empty list, got {_type(items)}", key=list_field)
+                all_parts, item_vals = [], {}
+                for j, item in enumerate(items):
+                    scope = item if isinstance(item, dict) else {ITEM: item}
+                    try:
+                        parts, vals, n = self._prepare_sections(scope, sections, name)
+                    except RecordError as e:
+                        raise e.at_key(f"{list_field}[{j}].{e.key}" if e.key else f"{list_field}[{j}]") from None
+                    all_parts.append(parts)
+                    chars += n
+                    for k, v in vals.items():
+                        item_vals.setdefault(k, []).append(v)
+                parts_by_source[name] = all_parts
+                values.update(item_vals)
+        pp = self.p.preprocessing
+        if pp.min_chars is not None and chars < pp.min_chars:
+            return Filtered("too_short", f"{chars} chars < min_chars {pp.min_chars}")
+        if pp.max_chars is not None and chars > pp.max_chars:
+            return Filtered("too_long", f"{chars} chars > max_chars {pp.max_chars}")
+        domain = None
+        if self.p.output.domain_key:
+            d = rec.get(self.p.output.domain_key)
+            domain = None if d is None else str(d)
+        return parts_by_source, values, domain, chars
+
+    def _prepare_sections(self, rec: dict, sections: list[Section], source: str):
+        parts: list[_Part] = []
+        values: dict[str, Any] = {}
+        chars = 0
+        first_plain = True
+        for s in sections:
+            if s.action == "value":
+                fld = s.field if isinstance(s.field, str) else s.field[0]
+                values[source or fld] = _value(_field(rec, fld), fld)
+                continue
+            if s.template:
+                msgs = self._messages(rec, s)
+                trained = self._trained_flags(msgs, s)
+                tools = _field(rec, self.p.input.tools_field) if self.p.input.tools_field else None
+                chat = render_with_regions(self.template, msgs, trained, add_generation_prompt=s.add_generation_prompt,
+                                           tools=tools, special_tokens=self.special, template_kwargs=self.kwargs,
+                                           gen_prompt=self.gen_prompt)
+                chars += sum(len(m.get("content") or "") for m in msgs)
+                parts.append(_Part(chat.text, bool(s.add_special_tokens), any(trained), chat,
+                                   [str(m.get("role")) for m in msgs]))
+            else:
+                text = _field(rec, s.field)
+                if not isinstance(text, str):
+                    raise RecordError("wrong_type", f"must be a string, got {_type(text)}", key=s.field)
+                add_special = s.add_special_tokens if s.add_special_tokens is not None else first_plain
+                first_plain = False
+                chars += len(text)
+                parts.append(_Part(s.separator + text, add_special, s.action == "train"))
+        return parts, values, chars
+
+    def _messages(self, rec: dict, s: Section) -> list[dict]:
+        fields = [s.field] if isinstance(s.field, str) else s.field
+        msgs: list[dict] = []
+        for f in fields:
+            v = _field(rec, f)
+            if isinstance(v, str):  # a bare string in a message list position: a user/assistant turn
+                raise RecordError("wrong_type", "must be a list of messages ({role, content}), got a string", key=f)
+            if not isinstance(v, list):
+                raise RecordError("wrong_type", f"must be a list of messages, got {_type(v)}", key=f)
+            for i, m in enumerate(v):
+                key = f"{f}[{i}]"
+                if not isinstance(m, dict):
+                    raise RecordError("wrong_type", f"a message must be an object, got {_type(m)}", key=key)
+                role = m.get("role")
+                if not isinstance(role, str):
+                    raise RecordError("missing_field" if role is None else "wrong_type",
+                                      "a message needs a string 'role'", key=key + ".role")
+                if role not in self.roles_allowed:
+                    raise RecordError("unknown_role", f"role {role!r} is not one of {', '.join(self.p.mask)} "
+                                                      f"(mask rules; add it to mask: to allow it)", key=key + ".role")
+                content = m.get("content")
+                if content is None and not m.get("tool_calls"):
+                    raise RecordError("missing_field", "a message needs 'content'", key=key + ".content")
+                if content is not None and not isinstance(content, str):
+                    raise RecordError("non_string_content", f"content must be a string, got {_type(content)}",
+                                      key=key + ".content")
+                if s.mask_key is not None and s.mask_key in m and not isinstance(m[s.mask_key], bool):
+                    raise RecordError("wrong_type", f"must be true or false, got {_type(m[s.mask_key])}",
+                                      key=f"{key}.{s.mask_key}")
+                msgs.append(m)
+        if not msgs:
+            raise RecordError("empty_conversation", "the conversation has no messages", key=fields[0])
+        return msgs
+
+    def _trained_flags(self, msgs: list[dict], s: Section) -> list[bool]:
+        flags = []
+        for m in msgs:
+            if s.mask_key is not None and m.get(s.mask_key) is not None:
+                flags.append(bool(m[s.mask_key]))
+            elif s.action == "$role":
+                flags.append(self.p.mask.get(m["role"], self.p.mask_default) == "train")
+            else:
+                flags.append(s.action == "train")
+        return flags
+
+    # -- assemble: labels, truncation ---------------------------------------------------------
+
+    def _assemble(self, prep, encs) -> Union[Doc, Filtered]:
+        parts_by_source, values, domain, chars = prep
+        seqs: dict[str, Union[Seq, list[Seq]]] = {}
+        for name, parts in parts_by_source.items():
+            if parts and isinstance(parts[0], list):
+                seqs[name] = [self._truncate(self._join(p, encs)) for p in parts]
+            else:
+                seqs[name] = self._truncate(self._join(parts, encs))
+        if self.has_labels:
+            for name, seq in seqs.items():
+                for one in seq if isinstance(seq, list) else [seq]:
+                    if self._source_trains(name) and one.trained == 0:
+                        reason = "no_trained_tokens_after_truncation" if one.truncated else "no_trained_tokens"
+                        return Filtered(reason, f"{name or 'record'} has no trained token")
+        if "chosen" in seqs and "rejected" in seqs:
+            _check_shared_prompt(seqs["chosen"], seqs["rejected"])
+        return Doc(seqs, values, domain, chars)
+
+    def _source_trains(self, name: str) -> bool:
+        secs, _ = self.sources[name]
+        return any(s.action in ("train", "$role") for s in secs)
+
+    def _join(self, parts: list[_Part], encs) -> Seq:
+        ids_l, lab_l, msg_l, roles = [], [], [], []
+        for part in parts:
+            enc = next(encs)
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            if part.chat is not None:
+                offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+                if part.train:
+                    labels = label_tokens(part.chat, ids, offsets, self.tok.special_ids,
+                                          self.p.preprocessing.end_of_turn)
+                else:
+                    labels = np.full(len(ids), IGNORE, dtype=np.int32)
+                tm = message_of_tokens(part.chat, offsets)
+                tm[tm >= 0] += len(roles)
+                msg_l.append(tm)
+                roles.extend(part.roles)
+            else:
+                labels = ids.copy() if part.train else np.full(len(ids), IGNORE, dtype=np.int32)
+                msg_l.append(np.full(len(ids), -1, dtype=np.int32))
+            ids_l.append(ids)
+            lab_l.append(labels)
+        ids = np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32)
+        labels = np.concatenate(lab_l) if lab_l else np.zeros(0, np.int32)
+        tmsg = np.concatenate(msg_l) if msg_l else np.zeros(0, np.int32)
+        return Seq(ids, labels if self.has_labels else None, tmsg, roles)
+
+    def _truncate(self, seq: Seq) -> Seq:
+        limit = self.p.preprocessing.max_seq_len
+        if limit is None or len(seq) <= limit:
+            return seq
+        cut = len(seq) - limit
+        keep = slice(0, limit) if self.p.preprocessing.truncation_mode == "keep_start" else slice(cut, None)
+        labels = None if seq.labels is None else seq.labels[keep]
+        return Seq(seq.input_ids[keep], labels, seq.token_msg[keep], seq.roles, seq.truncated + cut)
+
+
+def _check_shared_prompt(chosen: Seq, rejected: Seq):
+    """DPO: the tokens before the first trained token must be the same in chosen and rejected."""
+    def prompt(s: Seq) -> np.ndarray:
+        trained = np.flatnonzero(s.labels != IGNORE) if s.labels is not None else np.array([0])
+        return s.input_ids[: trained[0] if len(trained) else len(s.input_ids)]
+
+    pc, pr = prompt(chosen), prompt(rejected)
+    if len(pc) != len(pr) or not np.array_equal(pc, pr):
+        raise RecordError("prompt_mismatch", f"chosen and rejected do not share the exact prompt tokens "
+                                             f"({len(pc)} vs {len(pr)} tokens before the answer)")
+
+
+def _parts_of(parts_by_source) -> list[_Part]:
+    out = []
+    for parts in parts_by_source.values():
+        if parts and isinstance(parts[0], list):
+            for p in parts:
+                out.extend(p)
+        else:
+            out.extend(parts)
+    return out
+
+
+def _field(rec: dict, name: str):
+    if name not in rec:
+        raise RecordError("missing_field", "field is missing", key=name)
+    return rec[name]
+
+
+def _value(v, key: str):
+    if isinstance(v, bool) or not isinstance(v, (int, float, str, list)):
+        if not isinstance(v, bool):
+            raise RecordError("wrong_type", f"a value field must be a number, string or list, got {_type(v)}", key=key)
+    return v
+
+
+def _type(v) -> str:
+    return "null" if v is None else type(v).__name__

@@ -1,0 +1,264 @@
+"""Readers: JSONL, JSON (one object or a list), Parquet, and saved Hugging Face dataset directories.
+
+Inputs are split into partitions, the unit of parallel work and of resume. Partitions depend only
+on the input files and `partition_bytes` (never on the number of workers), so the same inputs
+always give the same partitions, in the same order, with the same names:
+
+- JSONL: byte ranges of about partition_bytes, each starting at a line start;
+- Parquet: runs of whole row groups of about partition_bytes;
+- HF dataset directory (save_to_disk): one partition per Arrow file;
+- JSON: the whole file (a JSON document cannot be split without parsing it).
+
+Reading a partition yields batches of (record, where) pairs, where `where` is "LINE" for
+line-based files and "record N"/"row N" otherwise; a bad record comes back as a RecordError in
+place of the record so the caller decides (raise or skip) and counts it. Memory is bounded by
+one batch (plus one row group or Arrow batch), whatever the input size.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+from astrai.data.errors import InputError, RecordError
+
+SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Partition:
+    index: int  # position in the global partition order (names intermediate files and shards)
+    file: str
+    kind: str  # jsonl | json | parquet | arrow
+    start: int  # jsonl: byte offset; parquet: first row group; arrow/json: 0
+    end: int  # jsonl: byte offset (exclusive); parquet: last row group (exclusive); else -1
+    first_line: int = 1  # jsonl: line number of the byte at `start`; parquet: first row number (0-based)
+
+    @property
+    def name(self) -> str:
+        return f"p{self.index:05d}"
+
+
+def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = None) -> list[Path]:
+    """Files for the given paths/globs, sorted within each pattern; HF dataset dirs stay whole."""
+    out: list[Path] = []
+    for pat in patterns:
+        p = Path(pat).expanduser()
+        if not p.is_absolute() and base_dir is not None:
+            p = Path(base_dir) / p
+        matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True)) if glob.has_magic(str(p)) else [p]
+        if not matches or not matches[0].exists():
+            raise InputError(f"input '{pat}': no such file or directory ({p})")
+        for m in matches:
+            if m.is_dir() and not _is_hf_dir(m):
+                found = sorted(f for f in m.rglob("*") if f.suffix in SUFFIX_KINDS)
+                if not found:
+                    raise InputError(f"input '{pat}': directory {m} holds no .jsonl/.json/.parquet files "
+                                     f"and is not a saved Hugging Face dataset")
+                out.extend(found)
+            else:
+                out.append(m)
+    return out
+
+
+def _is_hf_dir(p: Path) -> bool:
+    return (p / "state.json").exists() and (p / "dataset_info.json").exists()
+
+
+def _kind(p: Path) -> str:
+    if p.is_dir():
+        return "arrow"
+    kind = SUFFIX_KINDS.get(p.suffix.lower())
+    if kind is None:
+        raise InputError(f"input {p}: unknown format '{p.suffix}' (expected .jsonl, .json, .parquet or a "
+                         f"save_to_disk directory)")
+    return kind
+
+
+def plan_partitions(files: list[Path], partition_bytes: int) -> list[Partition]:
+    parts: list[Partition] = []
+    for f in files:
+        kind = _kind(f)
+        if kind == "jsonl":
+            for start, end, line in _jsonl_ranges(f, partition_bytes):
+                parts.append(Partition(len(parts), str(f), kind, start, end, line))
+        elif kind == "parquet":
+            import pyarrow.parquet as pq
+
+            md = pq.ParquetFile(f).metadata
+            g0, size, row0, rows = 0, 0, 0, 0
+            for g in range(md.num_row_groups):
+                size += md.row_group(g).total_byte_size
+                rows += md.row_group(g).num_rows
+                if size >= partition_bytes or g == md.num_row_groups - 1:
+                    parts.append(Partition(len(parts), str(f), kind, g0, g + 1, row0))
+                    g0, size, row0 = g + 1, 0, rows
+            if md.num_row_groups == 0:
+                parts.append(Partition(len(parts), str(f), kind, 0, 0, 0))
+        elif kind == "arrow":
+            state = json.loads((f / "state.json").read_text())
+            for df in state.get("_data_files", []):
+                parts.append(Partition(len(parts), str(f / df["filename"]), kind, 0, -1, 0))
+        else:
+            parts.append(Partition(len(parts), str(f), kind, 0, -1, 1))
+    return parts
+
+
+def _jsonl_ranges(f: Path, partition_bytes: int):
+    """Byte ranges starting at line starts, with the line number of each start. Reads the file once."""
+    size = f.stat().st_size
+    start, line = 0, 1
+    with open(f, "rb") as fh:
+        while start < size:
+            target = start + partition_bytes
+            if target >= size:
+                yield start, size, line
+                return
+            fh.seek(target)
+            fh.readline()  # move to the next line start
+            end = fh.tell()
+            fh.seek(start)
+            line_count = _count_newlines(fh, end - start)
+            yield start, end, line
+            start, line = end, line + line_count
+
+
+def _count_newlines(fh, n: int) -> int:
+    count = 0
+    while n > 0:
+        block = fh.read(min(n, 1 << 24))
+        if not block:
+            break
+        count += block.count(b"\n")
+        n -= len(block)
+    return count
+
+
+Item = tuple[Union[dict, RecordError], str]
+
+
+def read_partition(p: Partition, batch_size: int) -> Iterator[list[Item]]:
+    reader = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow}[p.kind]
+    batch: list[Item] = []
+    for item in reader(p):
+        batch.append(item)
+        if len(batch) >= batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _read_jsonl(p: Partition) -> Iterator[Item]:
+    line_no = p.first_line
+    with open(p.file, "rb") as fh:
+        fh.seek(p.start)
+        pos = p.start
+        while pos < p.end:
+            raw = fh.readline()
+            if not raw:
+                break
+            pos += len(raw)
+            where = str(line_no)
+            line_no += 1
+            if not raw.strip():
+                continue  # blank lines are not records
+            yield _parse_json_line(raw, where), where
+
+
+def _parse_json_line(raw: bytes, where: str):
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line")
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        return RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
+    if not isinstance(rec, dict):
+        return RecordError("not_an_object", f"a record must be a JSON object, got {type(rec).__name__}")
+    return rec
+
+
+def _read_json(p: Partition) -> Iterator[Item]:
+    raw = Path(p.file).read_bytes()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        yield RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the file"), "1"
+        return
+    except json.JSONDecodeError as e:
+        yield RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})"), str(e.lineno)
+        return
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        yield RecordError("not_an_object", f"a JSON input must be an object or a list of objects, got "
+                                           f"{type(data).__name__}"), "1"
+        return
+    for i, rec in enumerate(data):
+        where = f"record {i}"
+        if not isinstance(rec, dict):
+            yield RecordError("not_an_object", f"a record must be a JSON object, got {type(rec).__name__}"), where
+        else:
+            yield rec, where
+
+
+def _read_parquet(p: Partition) -> Iterator[Item]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(p.file)
+    row = p.first_line
+    if p.end <= p.start:
+        return
+    for batch in pf.iter_batches(row_groups=list(range(p.start, p.end)), batch_size=1024):
+        for rec in batch.to_pylist():
+            yield rec, f"row {row}"
+            row += 1
+
+
+def _read_arrow(p: Partition) -> Iterator[Item]:
+    import pyarrow as pa
+
+    row = 0
+    with pa.memory_map(p.file) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            batches = iter(reader)
+        for batch in batches:
+            for rec in batch.to_pylist():
+                yield rec, f"row {row}"
+                row += 1
+
+
+def file_fingerprint(path: str) -> str:
+    """Content hash of an input file (sha256), for the manifest fingerprint."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(1 << 24)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def input_files_for_fingerprint(parts: list[Partition]) -> list[str]:
+    return sorted({p.file for p in parts})
+
+
+def display_path(path: str) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return path

