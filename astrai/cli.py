@@ -1,0 +1,173 @@
+"""The `astrai` command line. Every verb takes `--set dotted.key=value` overrides (typed as YAML).
+
+Options live in astrai.config (one declaration each); this module only maps verbs to functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from astrai import __version__
+from astrai.config import ConfigError, Pipeline, Recipe, load_any, load_pipeline, load_recipe, model_help
+
+NOT_LANDED = {
+    "train": "training (pretrain/SFT/DPO/GRPO) has not landed yet",
+    "eval": "evaluation has not landed yet",
+    "generate": "generation has not landed yet",
+}
+
+
+def _add_set(p: argparse.ArgumentParser):
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set preprocessing.max_seq_len=4096 (repeatable; "
+                        "values are typed as YAML)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="astrai",
+        description="Exact, packed, loss-masked LLM training data from a YAML pipeline.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"astrai {__version__}")
+    sub = ap.add_subparsers(dest="verb", metavar="VERB")
+    pipeline_keys = "pipeline keys (--set KEY=VALUE):\n" + "\n".join(model_help(Pipeline))
+    recipe_keys = ("recipe keys (--set KEY=VALUE; pipeline keys as pipeline.KEY):\n" + "\n".join(model_help(Recipe)))
+
+    p = sub.add_parser("run", help="run a recipe: preprocess (then train/eval when they land)",
+                       epilog=recipe_keys, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipe YAML, e.g. recipes/sft.yaml")
+    _add_set(p)
+
+    p = sub.add_parser("preprocess", help="records -> Parquet shards with exact labels",
+                       epilog=pipeline_keys, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pipeline", help="pipeline YAML")
+    p.add_argument("-i", "--input", dest="inputs", action="append", required=True, metavar="INPUT",
+                   help="input file, glob or saved HF dataset dir (repeatable)")
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (overrides the pipeline's) [default: "
+                                                     "the pipeline's tokenizer]")
+    p.add_argument("--workers", type=int, default=None, help="worker processes [default: number of cores]")
+    _add_set(p)
+
+    p = sub.add_parser("validate", help="check a pipeline or recipe; print OK or every problem (exit 1)")
+    p.add_argument("file", help="pipeline or recipe YAML")
+    _add_set(p)
+
+    p = sub.add_parser("inspect", help="show exactly which tokens are trained (not available yet)")
+    p.add_argument("target", nargs="?", help="pipeline/recipe YAML or a preprocessed output directory")
+    _add_set(p)
+
+    p = sub.add_parser("export", help="export a preprocessed directory to hf/jsonl/parquet (not available yet)")
+    p.add_argument("out", nargs="?", help="preprocessed output directory")
+    _add_set(p)
+
+    for verb, why in NOT_LANDED.items():
+        p = sub.add_parser(verb, help=f"({why})")
+        p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+        _add_set(p)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not args.verb:
+        ap.print_help()
+        return 2
+    try:
+        return _dispatch(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from astrai.data.errors import InputError, RecordError
+
+        if isinstance(e, (InputError, RecordError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _dispatch(args) -> int:
+    if args.verb in NOT_LANDED:
+        print(f"astrai {args.verb}: {NOT_LANDED[args.verb]} in this version.", file=sys.stderr)
+        return 2
+    if args.verb == "validate":
+        return _validate(args)
+    if args.verb == "preprocess":
+        return _preprocess(args)
+    if args.verb == "run":
+        return _run(args)
+    if args.verb == "inspect":
+        print("astrai inspect: not available yet in this version.", file=sys.stderr)
+        return 2
+    if args.verb == "export":
+        print("astrai export: not available yet in this version.", file=sys.stderr)
+        return 2
+    raise AssertionError(args.verb)
+
+
+def _split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Recipe overrides; `pipeline.KEY=...` ones go to the recipe's pipeline."""
+    recipe, pipe = [], []
+    for o in overrides:
+        (pipe if o.startswith("pipeline.") else recipe).append(o[len("pipeline."):] if o.startswith("pipeline.") else o)
+    return recipe, pipe
+
+
+def _validate(args) -> int:
+    try:
+        from astrai.config import detect_kind, load_yaml
+
+        data, _ = load_yaml(args.file)
+        if detect_kind(data) == "recipe":
+            r_over, p_over = _split_overrides(args.overrides)
+            recipe = load_recipe(args.file, tuple(r_over))
+            load_pipeline(Path(args.file).parent / recipe.preprocess.pipeline, tuple(p_over))
+        else:
+            load_any(args.file, tuple(args.overrides))
+    except ConfigError as e:
+        for p in e.problems:
+            print(f"{e.file}:{p}")
+        print(f"{len(e.problems)} problem(s)")
+        return 1
+    print(f"{args.file}: OK")
+    return 0
+
+
+def _preprocess(args) -> int:
+    from astrai.data.preprocess import run_preprocess
+
+    pipeline = load_pipeline(args.pipeline, tuple(args.overrides))
+    t0 = time.time()
+    run_preprocess(pipeline, args.inputs, args.output, tokenizer=args.tokenizer, workers=args.workers,
+                   base_dir=str(Path(args.pipeline).parent))
+    print(f"done in {time.time() - t0:.1f}s")
+    return 0
+
+
+def _run(args) -> int:
+    from astrai.data.preprocess import run_preprocess
+
+    r_over, p_over = _split_overrides(args.overrides)
+    recipe = load_recipe(args.recipe, tuple(r_over))
+    base = Path(args.recipe).parent
+    pipeline = load_pipeline(base / recipe.preprocess.pipeline, tuple(p_over))
+    stage = recipe.preprocess
+    t0 = time.time()
+    print(f"[preprocess] {base / stage.pipeline} -> {base / stage.output}")
+    tok = stage.tokenizer
+    if tok and not tok.startswith("package:") and not Path(tok).is_absolute():
+        tok = str(base / tok)  # recipe paths are relative to the recipe
+    run_preprocess(pipeline, [str(base / i) for i in stage.inputs], str(base / stage.output),
+                   tokenizer=tok, workers=stage.workers,
+                   base_dir=str((base / stage.pipeline).parent))
+    print(f"[preprocess] done in {time.time() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Parquet shards, atomically: written under a temporary name and renamed when complete.
+
+Row schema (DESIGN.md): input_ids, labels (omitted for plain pretraining), position_ids (unless
+position_ids_mode none), seq_lens — all list<int32>, one row per bin (or per document unpacked).
+Multi-output rows carry `{source}_input_ids` / `{source}_labels` (list<int32>, or
+list<list<int32>> for list sources) and value columns (numbers as float32, never truncated to
+integers).
+
+Output is deterministic: the same rows give the same bytes (no timestamps in the file).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+I32 = pa.list_(pa.int32())
+
+
+def positions(seq_lens: np.ndarray, mode: str) -> Optional[np.ndarray]:
+    """Position ids for a row made of documents of the given lengths."""
+    total = int(seq_lens.sum())
+    if mode == "none":
+        return None
+    if mode == "continuous":
+        return np.arange(total, dtype=np.int32)
+    # doc_reset: 0..n-1 per document, vectorized: arange minus each document's start offset
+    starts = np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens)
+    return (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+
+
+def list_array(values: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    """list<int32> from flat values and per-row lengths, without Python loops."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values.astype(np.int32, copy=False)))
+
+
+def nested_list_array(values: np.ndarray, inner_lengths: np.ndarray, outer_counts: np.ndarray) -> pa.Array:
+    inner = list_array(values, inner_lengths)
+    offsets = np.zeros(len(outer_counts) + 1, dtype=np.int32)
+    np.cumsum(outer_counts, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), inner)
+
+
+def value_array(vals: list) -> pa.Array:
+    """Value columns: numbers -> float32 (0.8 stays 0.8), lists of numbers -> list<float32>, else as is."""
+    def is_num(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if vals and all(is_num(v) for v in vals):
+        return pa.array(vals, pa.float32())
+    if vals and all(isinstance(v, list) and all(is_num(x) for x in v) for v in vals):
+        return pa.array(vals, pa.list_(pa.float32()))
+    return pa.array(vals)
+
+
+class ShardWriter:
+    """Writes row groups to `name.tmp-<pid>` and renames to `name` on close (never a half shard)."""
+
+    def __init__(self, path: Path, row_group_rows: int):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.row_group_rows = row_group_rows
+        self._writer: Optional[pq.ParquetWriter] = None
+        self.rows = 0
+
+    def write(self, table: pa.Table):
+        if self._writer is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._writer = pq.ParquetWriter(self.tmp, table.schema, compression="zstd", write_statistics=False,
+                                            store_schema=True)
+        self._writer.write_table(table, row_group_size=self.row_group_rows)
+        self.rows += table.num_rows
+
+    def close(self):
+        if self._writer is None:
+            return
+        self._writer.close()
+        with open(self.tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(self.tmp, self.path)
+        self._writer = None
+
+    def abort(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self.tmp.unlink(missing_ok=True)
+
+
+def remove_stale_tmp(folder: Path):
+    """Temporary files from a killed run (never part of the output)."""
+    if folder.exists():
+        for f in folder.glob(".*.tmp-*"):
+            f.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: Path, text: str):
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_bytes(path: Path, data: bytes):
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

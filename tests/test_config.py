@@ -1,0 +1,132 @@
+"""Config loading: every problem at once, with key path and line; overrides; safe YAML only."""
+
+import glob
+import os
+import textwrap
+
+import pytest
+
+from astrai.config import ConfigError, Pipeline, Recipe, load_any, load_pipeline, load_recipe, parse_set
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(tmp_path, text, name="p.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def problems(path, **kw):
+    with pytest.raises(ConfigError) as e:
+        load_pipeline(path, **kw)
+    return e.value.problems
+
+
+def test_every_problem_reported_with_line(tmp_path):
+    p = write(tmp_path, """\
+        version: 1
+        chat_template: chatml
+        input:
+          sections:
+            - {field: messages, action: $role}
+        preprocessing:
+          max_seq_lenn: 2048
+          batch_size: "big"
+          truncation_mode: keep_middle
+        output:
+          position_ids_mode: doc_reset
+        """)
+    found = {(x.path, x.line) for x in problems(p)}
+    assert ("input.sections[0].action", 5) in found  # invalid combination
+    assert ("preprocessing.max_seq_lenn", 7) in found  # typo
+    assert ("preprocessing.batch_size", 8) in found  # wrong type
+    assert ("preprocessing.truncation_mode", 9) in found  # bad enum
+    msgs = {x.path: x.message for x in problems(p)}
+    assert "did you mean 'max_seq_len'" in msgs["preprocessing.max_seq_lenn"]
+    assert "template: true" in msgs["input.sections[0].action"]
+
+
+def test_columns_are_reported(tmp_path):
+    p = write(tmp_path, "version: 1\ninput:\n  sections:\n    - {field: text, action: train, colour: red}\n")
+    (prob,) = problems(p)
+    assert prob.path == "input.sections[0].colour" and prob.line == 4 and prob.column > 1
+
+
+def test_sections_and_sources_together_rejected(tmp_path):
+    p = write(tmp_path, """\
+        version: 1
+        input:
+          sections: [{field: text}]
+          sources: {chosen: {sections: [{field: text}]}}
+        """)
+    (prob,) = problems(p)
+    assert prob.path == "input" and "exactly one of" in prob.message
+
+
+def test_packing_needs_length_and_single_output(tmp_path):
+    p = write(tmp_path, """\
+        version: 1
+        input: {sources: {chosen: {sections: [{field: text}]}}}
+        preprocessing: {packing_strategy: bfd}
+        """)
+    msgs = [x.message for x in problems(p)]
+    assert any("needs preprocessing.max_packed_len" in m for m in msgs)
+    assert any("single-output" in m for m in msgs)
+
+
+def test_template_needs_chat_template(tmp_path):
+    p = write(tmp_path, "version: 1\ninput: {sections: [{field: messages, action: $role, template: true}]}\n")
+    (prob,) = problems(p)
+    assert "chat_template is not set" in prob.message
+
+
+def test_valid_pipeline_defaults(tmp_path):
+    p = write(tmp_path, "version: 1\ninput: {sections: [{field: text}]}\n")
+    pipe = load_pipeline(p)
+    assert pipe.preprocessing.packing_strategy == "none"
+    assert pipe.output.position_ids_mode == "doc_reset"
+    assert pipe.mask["assistant"] == "train" and pipe.mask["user"] == "mask"
+
+
+def test_overrides_are_typed_and_validated(tmp_path):
+    p = write(tmp_path, "version: 1\ninput: {sections: [{field: text}]}\n")
+    pipe = load_pipeline(p, overrides=("preprocessing.max_seq_len=4096", "output.position_ids_mode=continuous"))
+    assert pipe.preprocessing.max_seq_len == 4096
+    assert pipe.output.position_ids_mode == "continuous"
+    (prob,) = problems(p, overrides=("preprocessing.max_seq_len=lots",))
+    assert prob.path == "preprocessing.max_seq_len"
+    assert parse_set("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    with pytest.raises(ValueError):
+        parse_set("novalue")
+
+
+def test_yaml_cannot_construct_python_objects(tmp_path):
+    p = write(tmp_path, "version: 1\ninput: !!python/object/apply:os.system ['echo pwned']\n")
+    (prob,) = problems(p)
+    assert "invalid YAML" in prob.message
+
+
+def test_recipe_rejects_stages_not_landed(tmp_path):
+    write(tmp_path, "version: 1\ninput: {sections: [{field: text}]}\n", "pipe.yaml")
+    r = write(tmp_path, "version: 1\npreprocess: {pipeline: pipe.yaml, inputs: [x.jsonl], output: out}\n"
+                        "train: {lr: 1.0e-4}\n", "r.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(r)
+    assert e.value.problems[0].path == "train" and "not available" in e.value.problems[0].message
+
+
+def test_python_api_reads_the_same_models():
+    pipe = Pipeline.model_validate({"version": 1, "input": {"sections": [{"field": "text"}]}})
+    assert pipe.packed_len is None
+    with pytest.raises(Exception):
+        Pipeline.model_validate({"version": 1, "input": {"sections": [{"field": "m", "action": "$role"}]}})
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "pipelines", "*.yaml"))
+                                    + glob.glob(os.path.join(ROOT, "recipes", "*.yaml"))))
+def test_every_bundled_yaml_validates(path):
+    recipe, pipe = load_any(path)
+    assert isinstance(pipe, Pipeline)
+    if "recipes" in path:
+        assert isinstance(recipe, Recipe)
