@@ -56,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="pipeline or recipe YAML")
     _add_set(p)
 
-    p = sub.add_parser("inspect", help="show exactly which tokens are trained (not available yet)")
-    p.add_argument("target", nargs="?", help="pipeline/recipe YAML or a preprocessed output directory")
+    p = sub.add_parser("inspect", help="show exactly which tokens are trained, before training",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    from astrai.data import inspect as inspect_mod
+
+    inspect_mod.add_arguments(p)
     _add_set(p)
 
     p = sub.add_parser("export", help="export a preprocessed directory to hf/jsonl/parquet (not available yet)")
@@ -102,8 +105,9 @@ def _dispatch(args) -> int:
     if args.verb == "run":
         return _run(args)
     if args.verb == "inspect":
-        print("astrai inspect: not available yet in this version.", file=sys.stderr)
-        return 2
+        from astrai.data import inspect as inspect_mod
+
+        return inspect_mod.run(args)
     if args.verb == "export":
         print("astrai export: not available yet in this version.", file=sys.stderr)
         return 2
