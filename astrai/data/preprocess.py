@@ -142,7 +142,7 @@ def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[
 def _prepare_out(outp: Path, fp: str):
     work = outp / WORK
     if outp.exists() and any(outp.iterdir()):
-        ours = (outp / "manifest.json").exists() or work.exists()
+        ours = any((outp / n).exists() for n in ("manifest.json", "stats.json", WORK))
         if not ours:
             raise InputError(f"output {outp} exists, is not empty and is not an astrai output; choose another -o")
         stale = not (work / "fingerprint").exists() or (work / "fingerprint").read_text() != fp
@@ -169,7 +169,9 @@ def _map(workers: int, fn, args: list, log, what: str):
         for a in args:
             fn(a)
         return
-    ctx = mp.get_context("spawn")  # fresh processes: no inherited tokenizer thread pools
+    # fork where available: workers start at once and a caller's script needs no __main__ guard. The
+    # parent never encodes, so no tokenizer thread pool is inherited half-initialized.
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ctx.Pool(min(workers, len(args)), initializer=_worker_init) as pool:
         for _ in pool.imap_unordered(fn, args):
             pass

@@ -1,0 +1,151 @@
+"""Load preprocessed shards back for training: a torch Dataset over memory-mapped Arrow.
+
+`ShardDataset(out_dir)` reads manifest.json, converts each Parquet shard once into an Arrow IPC
+file under `out_dir/cache/` (atomically; the same conversion `datasets` does) and memory-maps it,
+so rows are read on demand and the dataset is never loaded whole. Single-output rows come back as
+int64 tensors `input_ids`, `labels` (a copy of input_ids when the dataset has no labels column:
+plain pretraining), `position_ids` (rebuilt per document from seq_lens when the column was not
+written) and `seq_lens`. DPO/GRPO rows come back as records (dicts of lists), as written.
+
+Collate functions:
+- `collate_padded`: one document per row, right-padded, with attention_mask. Packed rows are first
+  split back into their documents (so a padded batch never lets documents see each other).
+- `collate_packed`: all documents of the batch concatenated into one row with `cu_seqlens` and
+  `max_seqlen` for varlen attention, position ids as written (doc_reset: restarting per document). The label of each
+  document's first token is set to -100: with labels shifted inside the model, that position
+  would otherwise be predicted from the previous document's last token.
+
+NOTE: torch is imported here and only here in astrai.data (import astrai.data stays torch-free).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+IGNORE = -100
+
+
+def _arrow_cache(out: Path, shard: str) -> Path:
+    cache = out / "cache" / (Path(shard).stem + ".arrow")
+    if cache.exists():
+        return cache
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+    pf = pq.ParquetFile(out / shard)
+    with pa.OSFile(str(tmp), "wb") as sink:
+        with pa.ipc.new_file(sink, pf.schema_arrow) as writer:
+            for i in range(pf.num_row_groups):
+                writer.write_table(pf.read_row_group(i))
+    os.replace(tmp, cache)
+    return cache
+
+
+class ShardDataset:
+    """Map-style dataset over an astrai output directory (works as a torch Dataset)."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.out = Path(out_dir)
+        manifest = self.out / "manifest.json"
+        if not manifest.exists():
+            raise FileNotFoundError(f"{self.out}: no manifest.json; is this a finished `astrai preprocess` output?")
+        self.manifest = json.loads(manifest.read_text())
+        self.tables = []
+        for shard in self.manifest["shards"]:
+            mm = pa.memory_map(str(_arrow_cache(self.out, shard)))
+            self.tables.append(pa.ipc.open_file(mm).read_all())  # zero-copy over the mapping
+        counts = [t.num_rows for t in self.tables]
+        self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.columns = self.tables[0].column_names if self.tables else []
+        self.multi = "input_ids" not in self.columns and bool(self.columns)
+        self.position_mode = self.manifest["pipeline"]["output"]["position_ids_mode"]
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def _row(self, i: int) -> dict:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        s = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        t = self.tables[s]
+        r = i - int(self.offsets[s])
+        return {c: t.column(c)[r] for c in self.columns}
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        row = self._row(i)
+        if self.multi:
+            return {k: v.as_py() for k, v in row.items()}
+        ids = torch.from_numpy(row["input_ids"].values.to_numpy(zero_copy_only=False).astype(np.int64))
+        seq_lens = torch.from_numpy(row["seq_lens"].values.to_numpy(zero_copy_only=False).astype(np.int64))
+        labels = (torch.from_numpy(row["labels"].values.to_numpy(zero_copy_only=False).astype(np.int64))
+                  if "labels" in row else ids.clone())
+        if "position_ids" in row:
+            pos = torch.from_numpy(row["position_ids"].values.to_numpy(zero_copy_only=False).astype(np.int64))
+        else:
+            pos = _doc_positions(seq_lens)
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "seq_lens": seq_lens}
+
+
+def _doc_positions(seq_lens):
+    import torch
+
+    starts = torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
+    return torch.arange(int(seq_lens.sum())) - starts
+
+
+def split_documents(row: dict) -> list[dict]:
+    """A packed row back into its documents (positions restart at 0 in each)."""
+    import torch
+
+    out = []
+    start = 0
+    for n in row["seq_lens"].tolist():
+        out.append({"input_ids": row["input_ids"][start:start + n], "labels": row["labels"][start:start + n],
+                    "position_ids": torch.arange(n)})
+        start += n
+    return out
+
+
+def collate_padded(batch: list[dict], pad_id: int = 0, max_len: Optional[int] = None) -> dict:
+    import torch
+
+    docs = [d for row in batch for d in split_documents(row)]
+    length = max(len(d["input_ids"]) for d in docs)
+    if max_len is not None:
+        length = min(length, max_len)
+    n = len(docs)
+    ids = torch.full((n, length), pad_id, dtype=torch.long)
+    labels = torch.full((n, length), IGNORE, dtype=torch.long)
+    pos = torch.zeros((n, length), dtype=torch.long)
+    mask = torch.zeros((n, length), dtype=torch.long)
+    for i, d in enumerate(docs):
+        k = min(len(d["input_ids"]), length)
+        ids[i, :k] = d["input_ids"][:k]
+        labels[i, :k] = d["labels"][:k]
+        pos[i, :k] = d["position_ids"][:k]
+        mask[i, :k] = 1
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask}
+
+
+def collate_packed(batch: list[dict]) -> dict:
+    import torch
+
+    ids = torch.cat([r["input_ids"] for r in batch])
+    labels = torch.cat([r["labels"] for r in batch]).clone()
+    seq_lens = torch.cat([r["seq_lens"] for r in batch])
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(seq_lens, 0)
+    labels[cu[:-1].long()] = IGNORE  # never predict a document's first token from the previous document
+    pos = torch.cat([r["position_ids"] for r in batch])  # as written (doc_reset unless configured otherwise)
+    return {"input_ids": ids[None], "labels": labels[None], "position_ids": pos[None],
+            "cu_seqlens": cu, "max_seqlen": int(seq_lens.max()) if len(seq_lens) else 0}

@@ -1,0 +1,233 @@
+"""The preprocess stage end to end: accounting, packing semantics, determinism, resume, workers."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from astrai.config import Pipeline
+from astrai.data.errors import RecordError
+from astrai.data.preprocess import run_preprocess
+from astrai.data.process import Doc, Processor
+from astrai.data.tokenizer import load_tokenizer
+
+WORDS = "hello world how are you today the quick brown fox jumps over lazy dog yes no maybe".split()
+
+
+def chat_records(n, seed=0, bad_every=0):
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        if bad_every and i % bad_every == bad_every - 1:
+            lines.append(rng.choice(['{"messages": [{"role": "asistant", "content": "x"}]}', '{not json',
+                                     '{"messages": []}', '{"messages": [{"role": "user", "content": 5}]}']))
+            continue
+        msgs = []
+        if rng.random() < 0.3:
+            msgs.append({"role": "system", "content": "be brief"})
+        for t in range(rng.randint(1, 4)):
+            msgs.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))})
+            msgs.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 80)))})
+        lines.append(json.dumps({"messages": msgs, "domain": rng.choice(["a", "b"])}))
+    return "\n".join(lines) + "\n"
+
+
+def pipeline(**pp):
+    out = pp.pop("output", {})
+    on_error = pp.pop("on_error", "skip")
+    return Pipeline.model_validate({
+        "version": 1, "chat_template": "chatml",
+        "input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
+        "preprocessing": {"on_error": on_error, **pp}, "output": {"domain_key": "domain", **out}})
+
+
+def rows(out):
+    tables = [pq.read_table(f) for f in sorted(Path(out, "data").glob("*.parquet"))]
+    return [r for t in tables for r in t.to_pylist()]
+
+
+def digest(out):
+    h = hashlib.sha256()
+    for f in sorted(Path(out).rglob("*")):
+        if f.is_file() and f.name != "manifest.json":
+            h.update(str(f.relative_to(out)).encode() + f.read_bytes())
+    man = json.loads(Path(out, "manifest.json").read_text())
+    man.pop("inputs")  # absolute paths of the inputs
+    h.update(json.dumps(man, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def reference_docs(pipe, tok_dir, text):
+    """Independent of the stage: process each record alone, in order."""
+    pr = Processor(pipe, load_tokenizer(str(tok_dir)))
+    docs = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        r = pr.process_one(rec)
+        if isinstance(r, Doc):
+            docs.append(r.seqs[""])
+    return docs
+
+
+def test_accounting_and_rejects(tmp_path, tiny_tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(200, bad_every=10))
+    stats = run_preprocess(pipeline(min_chars=40), [str(data)], str(tmp_path / "o"), tokenizer=str(tiny_tokenizer),
+                           workers=1, log=lambda s: None)
+    assert stats["records_read"] == 200
+    assert stats["records_read"] == stats["records_kept"] + stats["records_filtered"] + stats["records_rejected"]
+    assert stats["records_rejected"] == 20
+    assert set(stats["rejected_by_reason"]) <= {"unknown_role", "invalid_json", "empty_conversation",
+                                                 "non_string_content"}
+    rejects = [json.loads(l) for l in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == 20 and all(r["file"].endswith("d.jsonl") and int(r["line"]) % 10 == 0 for r in rejects)
+    assert sum(stats["records_per_domain"].values()) == stats["records_kept"]
+    assert stats["filtered_by_reason"].get("too_short", 0) == stats["records_filtered"]
+
+
+def test_on_error_raise_names_file_line_key(tmp_path, tiny_tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(5) + '{"messages": [{"role": "asistant", "content": "x"}]}\n')
+    with pytest.raises(RecordError) as e:
+        run_preprocess(pipeline(on_error="raise"), [str(data)], str(tmp_path / "o"), tokenizer=str(tiny_tokenizer),
+                       workers=1, log=lambda s: None)
+    msg = str(e.value)
+    assert "d.jsonl:6:" in msg and "messages[0].role" in msg and "'asistant'" in msg
+
+
+@pytest.mark.parametrize("strategy", ["none", "simple", "bfd", "bfd_split"])
+def test_every_token_accounted_for(tmp_path, tiny_tokenizer, strategy):
+    text = chat_records(150, seed=3)
+    data = tmp_path / "d.jsonl"
+    data.write_text(text)
+    max_len = 160
+    pipe = pipeline(packing_strategy=strategy, max_packed_len=max_len, partition_bytes=4000)
+    stats = run_preprocess(pipe, [str(data)], str(tmp_path / "o"), tokenizer=str(tiny_tokenizer), workers=1,
+                           log=lambda s: None)
+    ref = reference_docs(pipe, tiny_tokenizer, text)
+    out_rows = rows(tmp_path / "o")
+    pieces = []
+    for r in out_rows:
+        assert sum(r["seq_lens"]) == len(r["input_ids"]) == len(r["labels"]) == len(r["position_ids"])
+        if strategy != "none":
+            assert len(r["input_ids"]) <= max_len
+        start = 0
+        for n in r["seq_lens"]:
+            assert r["position_ids"][start:start + n] == list(range(n))  # doc_reset
+            pieces.append((tuple(r["input_ids"][start:start + n]), tuple(r["labels"][start:start + n])))
+            start += n
+    ref_docs = [(tuple(d.input_ids.tolist()), tuple(d.labels.tolist())) for d in ref]
+    if strategy == "none":
+        assert pieces == ref_docs  # input order, whole documents
+    elif strategy == "bfd_split":
+        # nothing lost: every document is the concatenation of its chunks, chunks <= max_len
+        assert Counter(t for p in pieces for t in p[0]) == Counter(t for d in ref_docs for t in d[0])
+        assert stats["pack_truncated_tokens"] == 0
+        long_docs = [d for d in ref_docs if len(d[0]) > max_len]
+        assert long_docs, "the test data must contain documents longer than max_len"
+    else:
+        kept = [(d[0][:max_len], d[1][:max_len]) for d in ref_docs]  # keep_start truncation of long ones
+        assert Counter(pieces) == Counter(kept)
+        assert stats["pack_truncated_tokens"] == sum(max(0, len(d[0]) - max_len) for d in ref_docs)
+    if strategy == "simple":
+        assert pieces == [(d[0][:max_len], d[1][:max_len]) for d in ref_docs]  # input order kept
+    assert stats["tokens_written"] == sum(len(p[0]) for p in pieces)
+    assert stats["rows"] == len(out_rows)
+
+
+def test_workers_give_identical_bytes(tmp_path, tiny_tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(300, seed=5))
+    for strategy in ("none", "bfd"):
+        outs = []
+        for w in (1, 2):
+            out = tmp_path / f"o-{strategy}-{w}"
+            run_preprocess(pipeline(packing_strategy=strategy, max_packed_len=256, partition_bytes=5000),
+                           [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=w, log=lambda s: None)
+            outs.append(digest(out))
+        assert outs[0] == outs[1], strategy
+
+
+def test_rerun_is_noop_and_changes_invalidate(tmp_path, tiny_tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(50))
+    out = tmp_path / "o"
+    logs = []
+    run_preprocess(pipeline(), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1, log=logs.append)
+    first = digest(out)
+    run_preprocess(pipeline(), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1, log=logs.append)
+    assert "up to date" in logs[-1] and digest(out) == first
+    run_preprocess(pipeline(max_seq_len=20), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1,
+                   log=logs.append)
+    assert digest(out) != first and all(len(r["input_ids"]) <= 20 for r in rows(out))
+    data.write_text(chat_records(40))
+    run_preprocess(pipeline(max_seq_len=20), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1,
+                   log=logs.append)
+    assert json.loads((out / "stats.json").read_text())["records_read"] == 40
+
+
+def test_refuses_foreign_output_dir(tmp_path, tiny_tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(3))
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "precious.txt").write_text("keep me")
+    with pytest.raises(Exception, match="not an astrai output"):
+        run_preprocess(pipeline(), [str(data)], str(tmp_path / "o"), tokenizer=str(tiny_tokenizer), workers=1,
+                       log=lambda s: None)
+
+
+KILL_SCRIPT = """
+import sys
+if __name__ != "__main__":
+    raise SystemExit  # never re-run by a worker process
+from astrai.config import Pipeline
+from astrai.data.preprocess import run_preprocess
+p = Pipeline.model_validate_json(sys.argv[1])
+run_preprocess(p, [sys.argv[2]], sys.argv[3], tokenizer=sys.argv[4], workers=int(sys.argv[5]), log=lambda s: None)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["simple", "bfd"])
+def test_sigkill_and_rerun_is_byte_identical(tmp_path, tiny_tokenizer, strategy):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(1500, seed=9))
+    pipe = pipeline(packing_strategy=strategy, max_packed_len=256, partition_bytes=20000,
+                    output={"max_tokens_per_shard": 5000, "domain_key": "domain"})
+    clean = tmp_path / "clean"
+    t0 = time.time()
+    run_preprocess(pipe, [str(data)], str(clean), tokenizer=str(tiny_tokenizer), workers=1, log=lambda s: None)
+    t_full = time.time() - t0 + 1.5  # plus interpreter start-up in the subprocess
+    want = digest(clean)
+    script = tmp_path / "run.py"
+    script.write_text(KILL_SCRIPT)
+    out = tmp_path / "killed"
+    args = [sys.executable, str(script), pipe.model_dump_json(), str(data), str(out), str(tiny_tokenizer), "2"]
+    rng = random.Random(1)
+    kills = 0
+    for attempt in range(4):
+        proc = subprocess.Popen(args, start_new_session=True)
+        try:
+            proc.wait(timeout=rng.uniform(0.3, t_full))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: workers die too
+            proc.wait()
+            kills += 1
+        if (out / "manifest.json").exists():
+            break
+    assert kills >= 1
+    subprocess.run(args, check=True)
+    assert digest(out) == want
+    assert not list(out.rglob(".*.tmp-*"))
