@@ -63,8 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_mod.add_arguments(p)
     _add_set(p)
 
-    p = sub.add_parser("export", help="export a preprocessed directory to hf/jsonl/parquet (not available yet)")
-    p.add_argument("out", nargs="?", help="preprocessed output directory")
+    p = sub.add_parser("export", help="export a preprocessed directory to a HF dataset, readable JSONL or Parquet")
+    p.add_argument("out", help="preprocessed output directory (holds manifest.json)")
+    p.add_argument("--to", required=True, choices=["hf", "jsonl", "parquet"],
+                   help="hf: save_to_disk dir; jsonl: rows with decoded text; parquet: re-sharded")
+    p.add_argument("dest", help="destination path (must not exist)")
+    p.add_argument("--rows-per-shard", type=int, default=100_000, help="parquet: rows per file [default: 100000]")
+    p.add_argument("--tokenizer", default=None, help="jsonl: tokenizer for decoding [default: the manifest's]")
     _add_set(p)
 
     for verb, why in NOT_LANDED.items():
@@ -109,8 +114,11 @@ def _dispatch(args) -> int:
 
         return inspect_mod.run(args)
     if args.verb == "export":
-        print("astrai export: not available yet in this version.", file=sys.stderr)
-        return 2
+        from astrai.data.export import export
+
+        n = export(args.out, args.to, args.dest, args.rows_per_shard, args.tokenizer)
+        print(f"exported {n} rows to {args.dest} ({args.to})")
+        return 0
     raise AssertionError(args.verb)
 
 

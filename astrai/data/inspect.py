@@ -589,7 +589,9 @@ def _bin_entry(row: dict, index: int, where: str, pipe: dict, tt: TokenText) -> 
     pp = pipe.get("preprocessing") or {}
     packed = (pp.get("max_packed_len") or pp.get("max_seq_len")) if pp.get("packing_strategy", "none") != "none" else None
     e = Entry("bin", index, where, "written", seq_lens=seq_lens, capacity=packed)
-    e.seqs.append(tt.view(ids, trained, pos, np.repeat(np.arange(len(seq_lens)), seq_lens)[:len(ids)], is_bin=True))
+    docs = np.repeat(np.arange(len(seq_lens)), seq_lens)
+    docs = docs if len(docs) == len(ids) else np.zeros(len(ids), np.int64)  # inconsistent row: warned below
+    e.seqs.append(tt.view(ids, trained, pos, docs, is_bin=True))
     e.values = {k: v for k, v in row.items() if k not in ("input_ids", "labels", "position_ids", "seq_lens")}
     mode = (pipe.get("output") or {}).get("position_ids_mode", "doc_reset")
     if sum(seq_lens) != len(ids):

@@ -231,3 +231,37 @@ def test_sigkill_and_rerun_is_byte_identical(tmp_path, tiny_tokenizer, strategy)
     subprocess.run(args, check=True)
     assert digest(out) == want
     assert not list(out.rglob(".*.tmp-*"))
+
+
+def test_dpo_and_grpo_rows(tmp_path, tiny_tokenizer):
+    from astrai.config import load_pipeline
+    from astrai.data.load import ShardDataset
+
+    root = Path(__file__).resolve().parents[2] / "pipelines"
+    dpo = tmp_path / "dpo.jsonl"
+    dpo.write_text("".join(json.dumps({
+        "prompt": [{"role": "user", "content": f"question {i} how are you"}],
+        "chosen": [{"role": "assistant", "content": "fine thanks"}],
+        "rejected": [{"role": "assistant", "content": "no"}]}) + "\n" for i in range(5)))
+    run_preprocess(load_pipeline(root / "dpo_chatml.yaml"), [str(dpo)], str(tmp_path / "dpo"),
+                   tokenizer=str(tiny_tokenizer), workers=1, log=lambda s: None)
+    (row,) = rows(tmp_path / "dpo")[:1]
+    assert set(row) == {"chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"}
+    first_c = next(i for i, l in enumerate(row["chosen_labels"]) if l != -100)
+    first_r = next(i for i, l in enumerate(row["rejected_labels"]) if l != -100)
+    assert first_c == first_r and row["chosen_input_ids"][:first_c] == row["rejected_input_ids"][:first_r]
+
+    grpo = tmp_path / "grpo.jsonl"
+    grpo.write_text("".join(json.dumps({
+        "prompt": [{"role": "user", "content": "say yes"}],
+        "completions": [{"text": "yes<|im_end|>", "reward": 0.8}, {"text": "no<|im_end|>", "reward": 1}]}) + "\n"
+        for _ in range(3)))
+    run_preprocess(load_pipeline(root / "grpo_chatml.yaml"), [str(grpo)], str(tmp_path / "grpo"),
+                   tokenizer=str(tiny_tokenizer), workers=1, log=lambda s: None)
+    t = pq.read_table(sorted((tmp_path / "grpo" / "data").glob("*.parquet"))[0])
+    assert str(t.schema.field("rewards").type) == "list<element: float>"
+    r = t.to_pylist()[0]
+    assert r["rewards"] == pytest.approx([0.8, 1.0])  # float32, never truncated to int
+    assert len(r["completion_input_ids"]) == 2 and "prompt_labels" not in r
+    ds = ShardDataset(tmp_path / "grpo")
+    assert ds[0]["completion_input_ids"] == r["completion_input_ids"]
