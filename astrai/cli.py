@@ -155,7 +155,10 @@ def _preprocess(args) -> int:
 
     pipeline = load_pipeline(args.pipeline, tuple(args.overrides))
     t0 = time.time()
-    run_preprocess(pipeline, args.inputs, args.output, tokenizer=args.tokenizer, workers=args.workers,
+    tok = args.tokenizer
+    if tok and not tok.startswith("package:"):
+        tok = str(Path(tok).resolve())  # a path given on the command line is relative to the working directory
+    run_preprocess(pipeline, args.inputs, args.output, tokenizer=tok, workers=args.workers,
                    base_dir=str(Path(args.pipeline).parent))
     print(f"done in {time.time() - t0:.1f}s")
     return 0

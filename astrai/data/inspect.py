@@ -587,7 +587,8 @@ def _bin_entry(row: dict, index: int, where: str, pipe: dict, tt: TokenText) -> 
     seq_lens = [int(x) for x in (row.get("seq_lens") or [len(ids)])]
     pos = None if row.get("position_ids") is None else np.asarray(row["position_ids"], dtype=np.int64)
     pp = pipe.get("preprocessing") or {}
-    packed = (pp.get("max_packed_len") or pp.get("max_seq_len")) if pp.get("packing_strategy", "none") != "none" else None
+    packed = pp.get("max_packed_len") or pp.get("max_seq_len")
+    packed = packed if pp.get("packing_strategy", "none") != "none" else None
     e = Entry("bin", index, where, "written", seq_lens=seq_lens, capacity=packed)
     docs = np.repeat(np.arange(len(seq_lens)), seq_lens)
     docs = docs if len(docs) == len(ids) else np.zeros(len(ids), np.int64)  # inconsistent row: warned below
@@ -876,8 +877,9 @@ def render_text(report: Report, color: bool, width: int, table: bool = False) ->
     if report.other is not None:
         out += [f"  compared with {report.other.title}",
                 "gutter: ^ label differs from the other pipeline's token there; + trained, no counterpart there"]
-    out.append("legend: " + (fmt([("trained", TRAINED), (" masked ", 0), ("«special»", SPECIAL)], True) if color
-                             else "⟦trained⟧ masked «special»") + "  ↵ newline  ⇥ tab  ◌ part of a character")
+    legend = fmt([("trained", TRAINED), (" masked ", 0), ("«special»", SPECIAL)], True) if color else \
+        "⟦trained⟧ masked «special»"
+    out.append(f"legend: {legend}  ↵ newline  ⇥ tab  ◌ part of a character")
     out += report.notes
     if report.is_dataset and report.stats:
         out += [""] + stats_lines(report.stats, color)
@@ -975,13 +977,14 @@ def stats_lines(s: dict, color: bool) -> list[str]:
     for kind in ("filtered", "rejected"):
         by = s.get(f"{kind}_by_reason") or {}
         if by:
-            out.append(f"  {kind} by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])))
+            ranked = sorted(by.items(), key=lambda kv: -kv[1])
+            out.append(f"  {kind} by reason: " + ", ".join(f"{k} {v}" for k, v in ranked))
     tokens, trained = s.get("tokens") or 0, s.get("trained_tokens") or 0
     out.append(f"  tokens: {tokens:,} · trained {trained:,} · supervised share {_pct(trained, tokens)}")
     per, tper = s.get("tokens_per_role") or {}, s.get("trained_tokens_per_role") or {}
     if per:
-        out.append("  tokens per role: " + " · ".join(f"{r} {n:,} ({tper.get(r, 0):,} "
-                                                      f"trained)" for r, n in sorted(per.items(), key=lambda kv: -kv[1])))
+        ranked = sorted(per.items(), key=lambda kv: -kv[1])
+        out.append("  tokens per role: " + " · ".join(f"{r} {n:,} ({tper.get(r, 0):,} trained)" for r, n in ranked))
     lost = s.get("truncated_tokens") or 0
     out.append(f"  truncation: {s.get('truncated_docs') or 0} docs cut by max_seq_len, {lost:,} tokens lost "
                f"({_pct(lost, tokens + lost)} of all)" + (f"; packing cut {s['pack_truncated_tokens']:,} tokens of "

@@ -103,7 +103,7 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     stats = _stats(pipeline, summaries, packing)
     shards = sorted(str(p.relative_to(outp)) for p in (outp / "data").glob("*.parquet"))
     _write_rejects(outp, parts)
-    atomic_write_text(outp / "stats.json", json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(outp / "stats.json", json.dumps(stats, indent=2) + "\n")  # keys in reading order
     man = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fp,

@@ -133,9 +133,11 @@ class Processor:
         values: dict[str, Any] = {}
         chars = 0
         for name, (sections, list_field) in self.sources.items():
+            tokenized = any(sec.action != "value" for sec in sections)  # a value-only source has no tokens
             if list_field is None:
                 parts, vals, n = self._prepare_sections(rec, sections, name)
-                parts_by_source[name] = parts
+                if tokenized:
+                    parts_by_source[name] = parts
                 chars += n
                 values.update(vals)
             else:
@@ -153,7 +155,8 @@ class Processor:
                     chars += n
                     for k, v in vals.items():
                         item_vals.setdefault(k, []).append(v)
-                parts_by_source[name] = all_parts
+                if tokenized:
+                    parts_by_source[name] = all_parts
                 values.update(item_vals)
         pp = self.p.preprocessing
         if pp.min_chars is not None and chars < pp.min_chars:

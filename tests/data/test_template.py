@@ -219,7 +219,8 @@ def test_llama3_single_tool_call_only(hf, special):
 
 JINJA_CASES = {
     # trim_blocks drops the newline after a block tag; lstrip_blocks strips indentation before it
-    "trim_lstrip": "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\nend",
+    "trim_lstrip": "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n"
+                   "{% endfor %}\nend",
     "explicit_minus": "A  {{- ' B ' -}}  C\n{%- if true %} D {% endif -%}\n E",
     "loopcontrols": "{% for m in messages %}{% if loop.index0 == 1 %}{% continue %}{% endif %}"
                     "{% if loop.index0 == 3 %}{% break %}{% endif %}{{ m.content }}|{% endfor %}",
