@@ -68,7 +68,7 @@ class Section(_StrictModel):
     action: Action = Field("train", description="train | mask | $role (role rules, needs template) | value (copy raw)")
     template: bool = Field(False, description="render the field's messages with the chat template")
     add_special_tokens: Optional[bool] = Field(
-        None, description="let the tokenizer add BOS/EOS; default: true for the first non-template section only"
+        None, description="let the tokenizer add BOS/EOS; default: true only for a plain first section of the sequence"
     )
     add_generation_prompt: bool = Field(False, description="template sections: end the render with the assistant header")
     mask_key: Optional[str] = Field(
@@ -149,7 +149,9 @@ class Pipeline(_StrictModel):
     )
     input: InputConfig
     mask: dict[str, TrainOrMask] = Field(default_factory=lambda: dict(DEFAULT_MASK), description="role -> train|mask")
-    mask_default: TrainOrMask = Field("mask", description="rule for roles not listed in mask")
+    mask_default: TrainOrMask = Field(
+        "mask", description="rule for roles not in mask; set it explicitly to accept such roles (else unknown_role)"
+    )
     preprocessing: Preprocessing = Field(default_factory=Preprocessing)
     output: Output = Field(default_factory=Output)
 

@@ -279,50 +279,122 @@ def _strings(value) -> tuple:
     return ()
 
 
-def label_tokens(chat: RenderedChat, ids: np.ndarray, offsets: np.ndarray, special_ids: frozenset,
+class TokenSpans:
+    """Character spans of the tokens of one encoding, queried at region edges only.
+
+    Building the full offsets array costs as much as the rest of labeling (a Python tuple per
+    token), so edges are looked up through the encoding (`char_to_token`) and the array is built
+    only if a tokenizer's normalizer removed characters and a lookup finds no token.
+    """
+
+    def __init__(self, enc, text_len: int):
+        self.enc = enc
+        self.n = len(enc) if hasattr(enc, "__len__") else len(enc.ids)
+        self.text_len = text_len
+        self._arrays = None
+
+    @classmethod
+    def from_offsets(cls, offsets: np.ndarray, text_len: int) -> "TokenSpans":
+        self = cls.__new__(cls)
+        self.enc, self.n, self.text_len = None, len(offsets), text_len
+        self._arrays = (offsets[:, 0], offsets[:, 1])
+        return self
+
+    def arrays(self):
+        if self._arrays is None:
+            off = np.asarray(self.enc.offsets, dtype=np.int64).reshape(-1, 2)
+            self._arrays = (off[:, 0], off[:, 1])
+        return self._arrays
+
+    def span(self, k: int) -> tuple[int, int]:
+        if self._arrays is not None:
+            return int(self._arrays[0][k]), int(self._arrays[1][k])
+        return self.enc.token_to_chars(k)
+
+    def _containing(self, c: int) -> Optional[int]:
+        """Index of the first token whose span holds character c (None: no such token known)."""
+        if self._arrays is None and self.enc is not None:
+            t = self.enc.char_to_token(c)
+            if t is not None:
+                return t
+        starts, ends = self.arrays()
+        j = int(np.searchsorted(ends, c, side="right"))  # first token ending after c
+        return j if j < self.n and starts[j] <= c else None
+
+    def first_at_or_after(self, c: int) -> int:
+        """Index of the first token starting at or after character c."""
+        if c >= self.text_len:
+            return self.n
+        t = self._containing(c)
+        if t is None:
+            return int(np.searchsorted(self.arrays()[0], c, side="left"))
+        return t if self.span(t)[0] >= c else t + 1
+
+    def ending_by(self, c: int) -> int:
+        """Number of tokens that end at or before character c."""
+        if c >= self.text_len:
+            return self.n
+        t = self._containing(c)
+        if t is None:
+            return int(np.searchsorted(self.arrays()[1], c, side="right"))
+        return t
+
+    def straddler(self, c: int) -> Optional[int]:
+        """A token that holds both character c-1 and c (text on both sides of edge c), if any."""
+        if c <= 0 or c >= self.text_len:
+            return None
+        t = self._containing(c)
+        return t if t is not None and self.span(t)[0] < c else None
+
+
+def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special_ids: frozenset,
                  end_of_turn: str) -> np.ndarray:
-    """Labels for the tokens of chat.text (ids with their (start, end) character offsets)."""
+    """Labels for the tokens of chat.text (ids with their character spans)."""
     n = len(ids)
     labels = np.full(n, IGNORE, dtype=np.int32)
     if n == 0:
         return labels
-    starts, ends = offsets[:, 0], offsets[:, 1]
     text = chat.text
+
+    def tok_text(k):
+        s, e = spans.span(k)
+        return text[s:e]
+
     for r in chat.regions:
         if not r.trained:
             continue
         # the end edge of a to_eot region is not a label edge: the tokens after it are trained too
         for edge in (r.start,) if r.to_eot else (r.start, r.end):
-            j = int(np.searchsorted(starts, edge, side="right")) - 1
-            if j >= 0 and starts[j] < edge < ends[j]:
-                raise RecordError("boundary_straddle", f"message {r.msg} ({r.role}): token {text[starts[j]:ends[j]]!r} "
+            j = spans.straddler(edge)
+            if j is not None:
+                raise RecordError("boundary_straddle", f"message {r.msg} ({r.role}): token {tok_text(j)!r} "
                                                        f"spans template text and message text; no exact label exists")
-        lo = int(np.searchsorted(starts, r.start, side="left"))
-        hi = int(np.searchsorted(ends, r.end, side="right"))
-        # tokens [lo, hi) lie inside the region (offsets are monotonic for one encode)
+        lo = spans.first_at_or_after(r.start)
+        hi = max(lo, spans.ending_by(r.end))
+        # tokens [lo, hi) lie inside the region (spans are monotonic for one encode)
         labels[lo:hi] = ids[lo:hi]
         if r.to_eot:
             # tool calls: everything up to the next special token, which must come before the next message
             limit = len(text) if r.limit < 0 else r.limit
             k = hi
-            while k < n and ids[k] not in special_ids and starts[k] < limit:
+            while k < n and ids[k] not in special_ids and spans.span(k)[0] < limit:
                 k += 1
-            if k == n or ids[k] not in special_ids or starts[k] >= limit:
+            if k == n or ids[k] not in special_ids or spans.span(k)[0] >= limit:
                 raise RecordError("no_end_of_turn", f"message {r.msg} ({r.role}) has tool calls (or no text) but no "
                                                     f"special end-of-turn token follows before the next message, so "
                                                     f"its output cannot be delimited; add the template's end token "
                                                     f"to added_tokens")
-            eot_text = text[starts[k]:ends[k]]
+            eot_text = tok_text(k)
             # tool calls were rendered (something stands between text and end) and their data holds the
             # end token's text: the token may be inside the tool call, not after it
-            if text[r.end:starts[k]].strip() and any(eot_text in d for d in r.data):
+            if text[r.end:spans.span(k)[0]].strip() and any(eot_text in d for d in r.data):
                 raise RecordError("span_unverified", f"message {r.msg} ({r.role}): its tool calls contain the special "
                                                      f"token text {eot_text!r}, so where its output ends is ambiguous")
             labels[hi:k] = ids[hi:k]
             hi = k
         if end_of_turn == "train":
             k = hi
-            while k < n and ids[k] not in special_ids and not text[starts[k]:ends[k]].strip():
+            while k < n and ids[k] not in special_ids and not tok_text(k).strip():
                 k += 1
             if k < n and ids[k] in special_ids:
                 labels[hi:k + 1] = ids[hi:k + 1]
@@ -333,15 +405,12 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, offsets: np.ndarray, speci
     return labels
 
 
-def message_of_tokens(chat: RenderedChat, offsets: np.ndarray) -> np.ndarray:
+def message_of_tokens(chat: RenderedChat, spans: TokenSpans) -> np.ndarray:
     """Message index per token (-1 for template scaffolding), for stats and inspect."""
-    out = np.full(len(offsets), -1, dtype=np.int32)
-    if not len(offsets):
-        return out
-    starts, ends = offsets[:, 0], offsets[:, 1]
+    out = np.full(spans.n, -1, dtype=np.int32)
     for s, e, i in chat.text_spans:
-        lo = int(np.searchsorted(starts, s, side="left"))
-        hi = int(np.searchsorted(ends, e, side="right"))
+        lo = spans.first_at_or_after(s)
+        hi = max(lo, spans.ending_by(e))
         out[lo:hi] = i
     return out
 

@@ -21,7 +21,9 @@ import numpy as np
 
 from astrai.config import Pipeline, Section
 from astrai.data.errors import RecordError
-from astrai.data.mask import IGNORE, RenderedChat, generation_prompt, label_tokens, message_of_tokens, render_with_regions
+from astrai.data.mask import (
+    IGNORE, RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,
+)
 from astrai.data.template import ChatTemplate, resolve_template
 from astrai.data.tokenizer import Tokenizer, with_added_tokens
 
@@ -82,6 +84,9 @@ class Processor:
         self.special = dict(self.tok.special_tokens_map)
         self.kwargs = dict(pipeline.input.template_kwargs)
         self.gen_prompt = generation_prompt(self.template, self.special, self.kwargs) if self.template else ""
+        # Roles outside `mask` are bad input (a typo such as 'asistant' must not train silently), unless
+        # the pipeline sets mask_default explicitly: then that rule covers every other role.
+        self.any_role = "mask_default" in pipeline.model_fields_set
         self.roles_allowed = set(pipeline.mask)
         if pipeline.input.sections is not None:
             self.sources = {"": (pipeline.input.sections, None)}
@@ -150,7 +155,8 @@ class Processor:
                     try:
                         parts, vals, n = self._prepare_sections(scope, sections, name)
                     except RecordError as e:
-                        raise e.at_key(f"{list_field}[{j}].{e.key}" if e.key else f"{list_field}[{j}]") from None
+                        inner = f".{e.key}" if e.key and e.key != ITEM else ""
+                        raise e.at_key(f"{list_field}[{j}]{inner}") from None
                     all_parts.append(parts)
                     chars += n
                     for k, v in vals.items():
@@ -173,7 +179,7 @@ class Processor:
         parts: list[_Part] = []
         values: dict[str, Any] = {}
         chars = 0
-        first_plain = True
+        first = True  # the tokenizer's specials (BOS) go only at the very start of a sequence
         for s in sections:
             if s.action == "value":
                 fld = s.field if isinstance(s.field, str) else s.field[0]
@@ -189,12 +195,13 @@ class Processor:
                 chars += sum(len(m.get("content") or "") for m in msgs)
                 parts.append(_Part(chat.text, bool(s.add_special_tokens), any(trained), chat,
                                    [str(m.get("role")) for m in msgs]))
+                first = False
             else:
                 text = _field(rec, s.field)
                 if not isinstance(text, str):
                     raise RecordError("wrong_type", f"must be a string, got {_type(text)}", key=s.field)
-                add_special = s.add_special_tokens if s.add_special_tokens is not None else first_plain
-                first_plain = False
+                add_special = s.add_special_tokens if s.add_special_tokens is not None else first
+                first = False
                 chars += len(text)
                 parts.append(_Part(s.separator + text, add_special, s.action == "train"))
         return parts, values, chars
@@ -216,7 +223,7 @@ class Processor:
                 if not isinstance(role, str):
                     raise RecordError("missing_field" if role is None else "wrong_type",
                                       "a message needs a string 'role'", key=key + ".role")
-                if role not in self.roles_allowed:
+                if role not in self.roles_allowed and not self.any_role:
                     raise RecordError("unknown_role", f"role {role!r} is not one of {', '.join(self.p.mask)} "
                                                       f"(mask rules; add it to mask: to allow it)", key=key + ".role")
                 content = m.get("content")
@@ -274,13 +281,13 @@ class Processor:
             enc = next(encs)
             ids = np.asarray(enc.ids, dtype=np.int32)
             if part.chat is not None:
-                offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+                spans = TokenSpans(enc, len(part.text))
                 if part.train:
-                    labels = label_tokens(part.chat, ids, offsets, self.tok.special_ids,
+                    labels = label_tokens(part.chat, ids, spans, self.tok.special_ids,
                                           self.p.preprocessing.end_of_turn)
                 else:
                     labels = np.full(len(ids), IGNORE, dtype=np.int32)
-                tm = message_of_tokens(part.chat, offsets)
+                tm = message_of_tokens(part.chat, spans)
                 tm[tm >= 0] += len(roles)
                 msg_l.append(tm)
                 roles.extend(part.roles)

@@ -134,13 +134,13 @@ def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> T
 
 def with_added_tokens(tokenizer: Tokenizer, tokens: list[str]) -> Tokenizer:
     """A copy with `tokens` added as special tokens where missing (as tokenizer.add_special_tokens does)."""
-    if not tokens:
+    missing = [t for t in tokens if tokenizer.tok.token_to_id(t) is None]
+    if not missing:
         return tokenizer
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    tok = HFTokenizer.from_str(tokenizer.tok.to_str())
-    missing = [t for t in tokens if tok.token_to_id(t) is None]
+    tok = HFTokenizer.from_str(tokenizer.tok.to_str())  # a copy: the caller's tokenizer stays as loaded
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
     special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
     return Tokenizer(tok, tokenizer.path, dict(tokenizer.special_tokens_map), tokenizer.chat_template, special_ids,

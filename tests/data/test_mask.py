@@ -622,8 +622,6 @@ def test_mask_key_overrides_role_rule(hfs, make):
     assert isinstance(r, RecordError) and r.reason == "wrong_type" and r.key == "messages[1].train"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: process.py rejects every role not listed in `mask` as unknown_role, "
-                                       "so `mask_default` (config: 'rule for roles not listed in mask') never applies")
 def test_mask_default_applies_to_unlisted_roles(hfs, make):
     pr = make("chatml", mask={"user": "mask", "assistant": "train"}, mask_default="train")
     conv = [{"role": "observation", "content": "O"}, {"role": "user", "content": "Q"},

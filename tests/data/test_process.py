@@ -110,9 +110,6 @@ def test_add_special_tokens_default_first_plain_section_only(bos_tok):
     assert r.seqs[""].input_ids.tolist() == enc(bos_tok, "x") + enc(bos_tok, "y", True) + enc(bos_tok, "z")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: process.py gives the first non-template section add_special_tokens=True "
-                                       "even when a template section comes before it, so a tokenizer that adds BOS "
-                                       "puts BOS in the middle of the sequence (after the chat render)")
 def test_plain_section_after_template_gets_no_bos(bos_tok):
     pr = proc(bos_tok, [{"field": "prompt", "action": "mask", "template": True, "add_generation_prompt": True},
                         {"field": "completion", "action": "train"}], chat_template="chatml")
