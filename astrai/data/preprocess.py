@@ -222,7 +222,8 @@ class _Tally:
         counts = np.bincount(seq.token_msg + 1, minlength=len(seq.roles) + 1)
         trained = (np.bincount(seq.token_msg + 1, weights=(seq.labels != -100), minlength=len(seq.roles) + 1)
                    if seq.labels is not None else counts)
-        for i, role in enumerate(["other"] + seq.roles):
+        # index 0 holds tokens outside any message: chat template text (headers, end-of-turn), or plain text
+        for i, role in enumerate(["template" if seq.roles else "text"] + seq.roles):
             if counts[i]:
                 self.roles[role] += int(counts[i])
             if trained[i]:
