@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from astrai import __version__
 from astrai.config import Pipeline
 from astrai.data.errors import InputError, RecordError
 from astrai.data.process import Doc, Filtered, Processor, Seq
@@ -83,6 +84,7 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     outp = Path(out)
     manifest = outp / "manifest.json"
     if manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
+        shutil.rmtree(outp / WORK, ignore_errors=True)  # left if a run died right after its manifest
         log(f"{out}: up to date (fingerprint {fp[:12]}), nothing to do")
         return json.loads((outp / "stats.json").read_text())
     _prepare_out(outp, fp)
@@ -126,7 +128,9 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
 def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[Path]) -> str:
     h = hashlib.sha256()
     # partition_bytes changes partitions, hence shard names: it is part of the pipeline dump
-    h.update(json.dumps({"format": FORMAT_VERSION, "pipeline": json.loads(pipeline.model_dump_json()),
+    # the astrai version is in: a release that changes how records are tokenized must not reuse old output
+    h.update(json.dumps({"format": FORMAT_VERSION, "astrai": __version__,
+                         "pipeline": json.loads(pipeline.model_dump_json()),
                          "tokenizer": tok_fp, "template": template_src}, sort_keys=True).encode())
     for f in files:
         h.update(f.name.encode() + b"\0")
