@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 from astrai import __version__
-from astrai.config import ConfigError, Pipeline, Recipe, load_any, load_pipeline, load_recipe, model_help
+from astrai.config import (
+    ConfigError, Pipeline, Recipe, Section, Source, load_any, load_pipeline, load_recipe, model_help,
+)
 
 NOT_LANDED = {
     "train": "training (pretrain/SFT/DPO/GRPO) has not landed yet",
@@ -33,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"astrai {__version__}")
     sub = ap.add_subparsers(dest="verb", metavar="VERB")
-    pipeline_keys = "pipeline keys (--set KEY=VALUE):\n" + "\n".join(model_help(Pipeline))
+    pipeline_keys = ("pipeline keys (--set KEY=VALUE):\n" + "\n".join(model_help(Pipeline))
+                     + "\n\nsection keys (each item of input.sections, or of input.sources.NAME.sections):\n"
+                     + "\n".join(model_help(Section, "  ")) + "\n\nsource keys (input.sources.NAME):\n"
+                     + "\n".join(model_help(Source, "  ")))
     recipe_keys = ("recipe keys (--set KEY=VALUE; pipeline keys as pipeline.KEY):\n" + "\n".join(model_help(Recipe)))
 
     p = sub.add_parser("run", help="run a recipe: preprocess (then train/eval when they land)",
@@ -115,6 +120,10 @@ def _dispatch(args) -> int:
         return inspect_mod.run(args)
     if args.verb == "export":
         from astrai.data.export import export
+
+        if args.overrides:
+            print("astrai export: --set has no effect here (export has no config keys)", file=sys.stderr)
+            return 2
 
         n = export(args.out, args.to, args.dest, args.rows_per_shard, args.tokenizer)
         print(f"exported {n} rows to {args.dest} ({args.to})")

@@ -142,7 +142,7 @@ class Pipeline(_StrictModel):
     version: Literal[1] = Field(description="pipeline format version")
     tokenizer: Optional[str] = Field(None, description="HF tokenizer directory (or --tokenizer / the recipe)")
     chat_template: Optional[str] = Field(
-        None, description="'tokenizer' (from tokenizer_config.json), a .jinja path, or a bundled name (chatml, llama3, mistral)"
+        None, description="'tokenizer' (from tokenizer_config.json), a .jinja path, or a bundled name (chatml, llama3, qwen, mistral)"
     )
     added_tokens: list[str] = Field(
         default_factory=list, description="special tokens the template needs that the tokenizer lacks (e.g. <|im_end|>)"
