@@ -91,6 +91,7 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     job = Job(pipeline, str(tok.path), base_dir, str(outp))
     workers = max(1, workers or os.cpu_count() or 1)
 
+    _processor(job)  # built once here (no encoding yet), inherited by forked workers
     todo = [p for p in parts if not (outp / WORK / f"{p.name}.json").exists()]
     if len(todo) < len(parts):
         log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done")
