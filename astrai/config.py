@@ -230,6 +230,10 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     for where, secs in groups:
         if not secs:
             out.append((where, "no sections: declare at least one"))
+        elif where == ("input", "sections") and all(isinstance(s, dict) and s.get("action") == "value" for s in secs):
+            # a single output is a token sequence; a value rides along with it (it crashed the writer)
+            out.append((where, "single-output sections need at least one train, mask or $role section; "
+                               "value sections only copy values next to the tokens"))
         for i, s in enumerate(secs):
             if not isinstance(s, dict):
                 continue
@@ -246,6 +250,10 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
                 out.append((at + ("add_generation_prompt",), "add_generation_prompt needs template: true"))
             if isinstance(s.get("field"), list) and not tmpl:
                 out.append((at + ("field",), "a list of fields is only allowed for template sections (messages)"))
+            if s.get("separator") and tmpl:
+                out.append((at + ("separator",), "separator applies to plain sections; a template section is "
+                                                 "rendered exactly as the template says"))
+    out += _value_column_problems(sections, sources)
     if uses_template and _get(data, "chat_template") is None:
         out.append(((), "a section has template: true but chat_template is not set (use 'tokenizer', a bundled name or a .jinja path)"))
     pp = _get(data, "preprocessing", default={}) or {}
@@ -264,6 +272,35 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     lo, hi = _get(pp, "min_chars"), _get(pp, "max_chars")
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         out.append((("preprocessing", "min_chars"), "min_chars is larger than max_chars: no record could pass"))
+    return out
+
+
+TOKEN_COLUMNS = ("input_ids", "labels", "position_ids", "seq_lens")
+
+
+def _value_column_problems(sections: Any, sources: Any) -> list[tuple[tuple, str]]:
+    """A value's column is named after its field (single output) or its source (multi-output); the
+    writer would silently replace a token column, or an earlier value of the same source, with it."""
+    def values(secs):
+        return [(i, s) for i, s in enumerate(secs if isinstance(secs, list) else [])
+                if isinstance(s, dict) and s.get("action") == "value"]
+
+    out = []
+    for i, s in values(sections):
+        if s.get("field") in TOKEN_COLUMNS:
+            out.append((("input", "sections", i, "field"), f"a value is written to a column named after its field, "
+                                                           f"and '{s['field']}' is a token column of the output; "
+                                                           f"rename the field in the records"))
+    if isinstance(sources, dict):
+        taken = {f"{name}_{col}" for name in sources for col in ("input_ids", "labels")}
+        for name, src in sources.items():
+            vals = values(_get(src, "sections"))
+            for i, _ in vals[1:]:
+                out.append((("input", "sources", name, "sections", i, "field"),
+                            f"a source writes one value column (named '{name}'); put each value in its own source"))
+            if vals and name in taken:
+                out.append((("input", "sources", name), f"source '{name}' writes a value column named '{name}', "
+                                                        f"which is a token column of another source; rename it"))
     return out
 
 
@@ -398,7 +435,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_yaml(path: str | os.PathLike) -> tuple[Any, dict]:
     """Safe-load a YAML file; return (data, marks)."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:  # a person's error (a wrong path), not a traceback
+        raise ConfigError(str(path), [Problem("", f"no such file: {path}" if isinstance(e, FileNotFoundError)
+                                              else f"cannot read {path}: {e.strerror or e}")]) from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)

@@ -41,6 +41,17 @@ def test_validate_recipe_checks_its_pipeline(tmp_path, capsys):
     assert "did you mean 'action'" in capsys.readouterr().out
 
 
+def test_missing_pipeline_or_file_is_reported_not_a_traceback(tmp_path, capsys):
+    r = tmp_path / "r.yaml"
+    r.write_text("version: 1\npreprocess: {pipeline: nope.yaml, inputs: [a.jsonl], output: o}\n")
+    assert main(["validate", str(r)]) == 1
+    assert "nope.yaml" in capsys.readouterr().out
+    assert main(["run", str(r)]) == 1
+    assert "nope.yaml" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "missing.yaml")]) == 1
+    assert "missing.yaml" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("verb", ["train", "eval", "generate"])
 def test_not_landed_verbs_exit_2(verb, capsys):
     assert main([verb]) == 2

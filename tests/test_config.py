@@ -75,6 +75,50 @@ def test_packing_needs_length_and_single_output(tmp_path):
     assert any("single-output" in m for m in msgs)
 
 
+def test_value_columns_never_overwrite_other_columns(tmp_path):
+    # a value's column is named after its field (single output) or its source (multi-output): it
+    # must not replace the token columns, nor another value of the same source
+    p = write(tmp_path, """\
+        version: 1
+        chat_template: chatml
+        input:
+          sections:
+            - {field: messages, action: $role, template: true}
+            - {field: labels, action: value}
+        """)
+    (prob,) = problems(p)
+    assert prob.path == "input.sections[1].field" and "labels" in prob.message and prob.line == 6
+    p = write(tmp_path, """\
+        version: 1
+        input:
+          sources:
+            completion: {sections: [{field: text}]}
+            rewards: {sections: [{field: reward, action: value}, {field: score, action: value}]}
+        """)
+    (prob,) = problems(p)
+    assert prob.path == "input.sources.rewards.sections[1].field" and "one value" in prob.message
+
+
+def test_single_output_needs_a_token_section(tmp_path):
+    # value sections alone validated, then crashed the writer (KeyError) after reading the data
+    p = write(tmp_path, "version: 1\ninput: {sections: [{field: score, action: value}]}\n")
+    (prob,) = problems(p)
+    assert prob.path == "input.sections" and "at least one train" in prob.message
+
+
+def test_separator_needs_a_plain_section(tmp_path):
+    p = write(tmp_path, "version: 1\nchat_template: chatml\n"
+                        "input: {sections: [{field: m, action: $role, template: true, separator: '\\n'}]}\n")
+    (prob,) = problems(p)
+    assert prob.path == "input.sections[0].separator" and "template" in prob.message
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_pipeline(tmp_path / "nope.yaml")
+    assert "no such file" in str(e.value) and "nope.yaml" in str(e.value)
+
+
 def test_template_needs_chat_template(tmp_path):
     p = write(tmp_path, "version: 1\ninput: {sections: [{field: messages, action: $role, template: true}]}\n")
     (prob,) = problems(p)

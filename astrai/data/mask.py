@@ -29,10 +29,14 @@ The method (two renders, one tokenization, all linear in the conversation):
    Tool calls are rendered by the template from structured data, so they have no sentinel: a
    trained message with tool calls owns everything after its text up to the next special token,
    which must come before the next message's text (that token is its end-of-turn; if its text
-   also occurs inside the tool-call data, the end is ambiguous and the record is rejected). A
+   also occurs inside the tool-call data, the end is ambiguous and the record is rejected). So
+   does one whose content left no text (empty, or think tags only) while its reasoning did: the
+   template's markup closing the reasoning is its output too. The end-of-turn token of any
+   trained message must also come before the next message's text. A
    trained assistant message whose render holds no text at all (empty content, or tool calls only)
-   is anchored at the first generation prompt after the previous message's text; if there is none
-   before the next message's text, the record is rejected.
+   is anchored at its own generation prompt (header): the assistant messages without text between
+   two messages with text must own the generation prompts found there one for one, in order, else
+   the record is rejected.
 5. Tokenize `text` once with character offsets. A token is trained iff its span lies inside a
    trained region. A token that straddles a region edge (template text and message text merged in
    one token) cannot be attributed, and the record is rejected with that reason.
@@ -106,6 +110,7 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
 
     # Skeleton render: message texts replaced by sentinels.
     pieces: list[tuple[int, str]] = []  # sentinel k -> (msg index, original text)
+    with_content: set[int] = set()  # messages whose content got a sentinel (holds text besides think tags)
     edges: dict[int, list[str]] = {}  # sentinel k -> [literal think tags before it, after it] within its value
     skel_msgs = []
     for i, m in enumerate(messages):
@@ -126,6 +131,8 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
                         literal = ""
                         parts.append(_sentinel(k))
                         pieces.append((i, piece))
+                        if key == "content":
+                            with_content.add(i)
                     else:
                         literal += piece
                         parts.append(piece)
@@ -141,7 +148,7 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
                                              f"({type(e).__name__}: {e}); its output depends on message text") from None
 
     spans = _walk(text, skeleton, pieces)
-    regions = _regions(text, spans, messages, trained, gen_prompt, edges)
+    regions = _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_prompt, with_content)
     return RenderedChat(text, regions, [(s, e, i) for s, e, i, _ in spans])
 
 
@@ -198,7 +205,8 @@ def _mismatch(text, cursor, scaffold, msg) -> RecordError:
                                           f"{text[cursor:cursor + 40]!r}, expected {scaffold[:40]!r})")
 
 
-def _regions(text, spans, messages, trained, gen_prompt, edges) -> list[Region]:
+def _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_prompt=False,
+             with_content=None) -> list[Region]:
     by_msg: dict[int, list[tuple[int, int, int]]] = {}
     for s, e, i, k in spans:
         by_msg.setdefault(i, []).append((s, e, k))
@@ -231,40 +239,76 @@ def _regions(text, spans, messages, trained, gen_prompt, edges) -> list[Region]:
             if at >= 0:
                 start = at + len(gen_prompt)
         calls = messages[i].get("tool_calls")
-        regions.append(Region(start, end, i, role, trained[i], bool(calls), limit, _strings(calls)))
+        # Output the template renders after the last text span runs to the end-of-turn token: tool calls,
+        # and, when the content left no text (empty, or think tags only) but the reasoning did, the
+        # markup closing the reasoning ("\n</think>\n\n"), which would otherwise go untrained.
+        to_eot = bool(calls) or (with_content is not None and i not in with_content)
+        regions.append(Region(start, end, i, role, trained[i], to_eot, limit, _strings(calls)))
         prev_end = end
-    regions += _textless_regions(text, by_msg, messages, trained, gen_prompt)
+    regions += _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt)
     regions.sort(key=lambda r: r.start)
     return regions
 
 
-def _textless_regions(text, by_msg, messages, trained, gen_prompt) -> list[Region]:
+def _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt=False) -> list[Region]:
     """Regions for trained messages that emitted no text (empty content, tool calls only).
 
-    Each is anchored at the first generation prompt after the previous message's text (in message
-    order) and before the next one's; its output then runs to the end-of-turn token (to_eot).
+    Consecutive messages without text form a gap between two messages with text. Each assistant
+    message in the gap owns one generation prompt (its header) there, in order; the next message
+    with text owns one more if it is an assistant (or, at the end, the generation prompt itself). A
+    trained message is anchored at its own header and its output runs to the end-of-turn token
+    (to_eot), never past the next header. If the headers in the gap cannot be counted off exactly
+    this way (a template that skips an empty message, header text inside tool-call data), which
+    header is whose is unknown and the record is rejected: taking the first one found trained an
+    untrained message's tool call when two assistant messages without text were adjacent.
     """
     out = []
-    next_start = [len(text)] * (len(messages) + 1)  # where the next message with text begins (linear pass)
-    for i in range(len(messages) - 1, -1, -1):
-        next_start[i] = by_msg[i][0][0] if i in by_msg else next_start[i + 1]
-    cursor = 0
-    for i, m in enumerate(messages):
+    cursor, i, n = 0, 0, len(messages)
+    while i < n:
         if i in by_msg:
             cursor = max(cursor, by_msg[i][-1][1])
+            i += 1
             continue
-        if not trained[i]:
+        j = i
+        while j < n and j not in by_msg:
+            j += 1
+        if any(trained[k] for k in range(i, j)):
+            out += _anchor_gap(text, range(i, j), cursor, by_msg[j][0][0] if j < n else len(text),
+                               messages, trained, gen_prompt,
+                               messages[j].get("role") == "assistant" if j < n else add_generation_prompt)
+        i = j
+    return out
+
+
+def _anchor_gap(text, gap, cursor, limit, messages, trained, gen_prompt, next_has_header) -> list[Region]:
+    heads = [k for k in gap if messages[k].get("role") == "assistant"]
+    found = []
+    if gen_prompt and cursor <= limit:
+        at = text.find(gen_prompt, cursor, limit)
+        while at >= 0:
+            found.append(at)
+            at = text.find(gen_prompt, at + len(gen_prompt), limit)
+    for k in gap:
+        if not trained[k]:
             continue
-        limit = next_start[i + 1]
+        role = messages[k].get("role")
         # the generation prompt is the assistant header; other roles have no header to anchor at
-        found = gen_prompt and m.get("role") == "assistant" and cursor <= limit
-        at = text.find(gen_prompt, cursor, limit) if found else -1
-        if at < 0:
-            raise RecordError("span_unverified", f"message {i} ({m.get('role')}) is trained but has no text in the "
+        if role != "assistant" or not found:
+            raise RecordError("span_unverified", f"message {k} ({role}) is trained but has no text in the "
                                                  f"render and no assistant header was found for it, so its output "
                                                  f"cannot be located")
-        cursor = at + len(gen_prompt)
-        out.append(Region(cursor, cursor, i, str(m.get("role")), True, True, limit, _strings(m.get("tool_calls"))))
+        if len(found) != len(heads) + bool(next_has_header):
+            raise RecordError("span_unverified", f"message {k} ({role}) is trained but has no text in the render, "
+                                                 f"and the {len(found)} assistant header(s) before the next message "
+                                                 f"do not match the {len(heads)} assistant message(s) without text "
+                                                 f"there, so its output cannot be located")
+    out = []
+    for h, k in enumerate(heads):
+        if trained[k]:
+            start = found[h] + len(gen_prompt)
+            end_by = found[h + 1] if h + 1 < len(found) else limit  # its end-of-turn comes before the next header
+            calls = _strings(messages[k].get("tool_calls"))
+            out.append(Region(start, start, k, "assistant", True, True, end_by, calls))
     return out
 
 
@@ -285,6 +329,10 @@ class TokenSpans:
     Building the full offsets array costs as much as the rest of labeling (a Python tuple per
     token), so edges are looked up through the encoding (`char_to_token`) and the array is built
     only if a tokenizer's normalizer removed characters and a lookup finds no token.
+
+    Tokens a post-processor adds (BOS/EOS with add_special_tokens) hold no characters: they sit
+    before `lo` and from `hi` on, inside no region. Their (0, 0) offsets would also break the
+    sorted-array lookups, so those search only tokens [lo, hi).
     """
 
     def __init__(self, enc, text_len: int):
@@ -292,13 +340,26 @@ class TokenSpans:
         self.n = len(enc) if hasattr(enc, "__len__") else len(enc.ids)
         self.text_len = text_len
         self._arrays = None
+        self._ends_at(lambda k: enc.token_to_chars(k))
 
     @classmethod
     def from_offsets(cls, offsets: np.ndarray, text_len: int) -> "TokenSpans":
         self = cls.__new__(cls)
         self.enc, self.n, self.text_len = None, len(offsets), text_len
         self._arrays = (offsets[:, 0], offsets[:, 1])
+        self._ends_at(lambda k: tuple(offsets[k]))
         return self
+
+    def _ends_at(self, chars):
+        def empty(k):
+            c = chars(k)
+            return c is None or c[0] == c[1]
+
+        self.lo, self.hi = 0, self.n
+        while self.lo < self.n and empty(self.lo):
+            self.lo += 1
+        while self.hi > self.lo and empty(self.hi - 1):
+            self.hi -= 1
 
     def arrays(self):
         if self._arrays is None:
@@ -307,9 +368,16 @@ class TokenSpans:
         return self._arrays
 
     def span(self, k: int) -> tuple[int, int]:
+        if k < self.lo or k >= self.hi:  # no characters: an empty span at the end it sits at
+            c = 0 if k < self.lo else self.text_len
+            return c, c
         if self._arrays is not None:
             return int(self._arrays[0][k]), int(self._arrays[1][k])
         return self.enc.token_to_chars(k)
+
+    def _search(self, which: int, c: int, side: str) -> int:
+        """np.searchsorted over the starts (0) or ends (1) of tokens [lo, hi), as a token index."""
+        return self.lo + int(np.searchsorted(self.arrays()[which][self.lo:self.hi], c, side=side))
 
     def _containing(self, c: int) -> Optional[int]:
         """Index of the first token whose span holds character c (None: no such token known)."""
@@ -317,26 +385,25 @@ class TokenSpans:
             t = self.enc.char_to_token(c)
             if t is not None:
                 return t
-        starts, ends = self.arrays()
-        j = int(np.searchsorted(ends, c, side="right"))  # first token ending after c
-        return j if j < self.n and starts[j] <= c else None
+        j = self._search(1, c, "right")  # first token ending after c
+        return j if j < self.hi and self.arrays()[0][j] <= c else None
 
     def first_at_or_after(self, c: int) -> int:
         """Index of the first token starting at or after character c."""
         if c >= self.text_len:
-            return self.n
+            return self.hi
         t = self._containing(c)
         if t is None:
-            return int(np.searchsorted(self.arrays()[0], c, side="left"))
+            return self._search(0, c, "left")
         return t if self.span(t)[0] >= c else t + 1
 
     def ending_by(self, c: int) -> int:
-        """Number of tokens that end at or before character c."""
+        """Number of tokens that end at or before character c (counting those before lo)."""
         if c >= self.text_len:
-            return self.n
+            return self.hi
         t = self._containing(c)
         if t is None:
-            return int(np.searchsorted(self.arrays()[1], c, side="right"))
+            return self._search(1, c, "right")
         return t
 
     def straddler(self, c: int) -> Optional[int]:
@@ -373,9 +440,11 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
         hi = max(lo, spans.ending_by(r.end))
         # tokens [lo, hi) lie inside the region (spans are monotonic for one encode)
         labels[lo:hi] = ids[lo:hi]
+        # where the next message's text starts; none (the end of the text): a token the tokenizer adds
+        # after the text (EOS) may end the turn
+        limit = r.limit if 0 <= r.limit < len(text) else len(text) + 1
         if r.to_eot:
             # tool calls: everything up to the next special token, which must come before the next message
-            limit = len(text) if r.limit < 0 else r.limit
             k = hi
             while k < n and ids[k] not in special_ids and spans.span(k)[0] < limit:
                 k += 1
@@ -387,16 +456,19 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
             eot_text = tok_text(k)
             # tool calls were rendered (something stands between text and end) and their data holds the
             # end token's text: the token may be inside the tool call, not after it
-            if text[r.end:spans.span(k)[0]].strip() and any(eot_text in d for d in r.data):
+            # (an EOS added after the text has no text: it cannot be inside the data)
+            if eot_text and text[r.end:spans.span(k)[0]].strip() and any(eot_text in d for d in r.data):
                 raise RecordError("span_unverified", f"message {r.msg} ({r.role}): its tool calls contain the special "
                                                      f"token text {eot_text!r}, so where its output ends is ambiguous")
             labels[hi:k] = ids[hi:k]
             hi = k
         if end_of_turn == "train":
+            # whitespace, then a special token, before the next message's text: whitespace at or past
+            # `limit` is that message's text (and the token after it its end of turn, not ours)
             k = hi
-            while k < n and ids[k] not in special_ids and not tok_text(k).strip():
+            while k < n and ids[k] not in special_ids and not tok_text(k).strip() and spans.span(k)[0] < limit:
                 k += 1
-            if k < n and ids[k] in special_ids:
+            if k < n and ids[k] in special_ids and spans.span(k)[0] < limit:
                 labels[hi:k + 1] = ids[hi:k + 1]
             else:
                 raise RecordError("no_end_of_turn", f"message {r.msg} ({r.role}) is trained but no special "

@@ -152,7 +152,11 @@ def _prepare_out(outp: Path, fp: str):
             raise InputError(f"output {outp} exists, is not empty and is not an astrai output; choose another -o")
         stale = not (work / "fingerprint").exists() or (work / "fingerprint").read_text() != fp
         if stale:  # another pipeline/input/tokenizer: the old output is invalid
-            for name in ("data", WORK, "manifest.json", "stats.json", "rejects.jsonl"):
+            # Markers go first, shards after: killed half-way, the leftovers must never read as done
+            # (a manifest saying "up to date", or .work/fingerprint resuming into partitions whose
+            # shards are gone), and .work itself stays until the shards are gone so the directory
+            # is still recognised as ours.
+            for name in ("manifest.json", f"{WORK}/fingerprint", "data", WORK, "stats.json", "rejects.jsonl"):
                 target = outp / name
                 if target.is_dir():
                     shutil.rmtree(target)
@@ -161,6 +165,7 @@ def _prepare_out(outp: Path, fp: str):
     (outp / "manifest.json").unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     (outp / "data").mkdir(exist_ok=True)
+    remove_stale_tmp(outp)  # stats.json, manifest.json and rejects.jsonl are written under temporary names too
     remove_stale_tmp(outp / "data")
     remove_stale_tmp(work)
     if not (work / "fingerprint").exists():
@@ -174,12 +179,32 @@ def _map(workers: int, fn, args: list, log, what: str):
         for a in args:
             fn(a)
         return
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
     # fork where available: workers start at once and a caller's script needs no __main__ guard. The
     # parent never encodes, so no tokenizer thread pool is inherited half-initialized.
+    # Not multiprocessing.Pool: when a worker is killed from outside (the OOM killer), Pool waits
+    # forever for its task; this executor fails the run, and a rerun resumes.
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(min(workers, len(args)), initializer=_worker_init) as pool:
-        for _ in pool.imap_unordered(fn, args):
-            pass
+    pool = ProcessPoolExecutor(min(workers, len(args)), mp_context=ctx, initializer=_worker_init)
+    try:
+        futures = [pool.submit(fn, a) for a in args]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()
+    except BrokenProcessPool:
+        raise RuntimeError(f"a worker process died while processing {what} (killed from outside, e.g. out of "
+                           f"memory); finished {what} are kept: rerun to resume") from None
+    except BaseException:
+        # stop at the first error, as Pool.terminate did: the other workers' unfinished work is redone
+        # on a rerun (tmp files are removed then)
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     log(f"{len(args)} {what} done with {workers} workers")
 
 
@@ -193,7 +218,8 @@ def _run_limited(job: Job, parts: list[Partition], log):
         done = Path(job.out) / WORK / f"{p.name}.json"
         if not done.exists():
             _pass1((job, p), limit=budget)
-        budget -= json.loads(done.read_text())["read"]
+        # a partition that read nothing (budget already spent, or only blank lines) has no "read" count
+        budget -= json.loads(done.read_text()).get("read", 0)
         budget = max(budget, 0)
 
 

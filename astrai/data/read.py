@@ -6,8 +6,10 @@ always give the same partitions, in the same order, with the same names:
 
 - JSONL: byte ranges of about partition_bytes, each starting at a line start;
 - Parquet: runs of whole row groups of about partition_bytes;
-- HF dataset directory (save_to_disk): one partition per Arrow file;
-- JSON: the whole file (a JSON document cannot be split without parsing it).
+- HF dataset directory (save_to_disk, also one found inside a walked directory): one partition
+  per Arrow file (a DatasetDict of splits is refused: pass the split's directory);
+- JSON: the whole file (a JSON document cannot be split without parsing it); a .json file that
+  holds JSON Lines is read line by line, with line numbers.
 
 Reading a partition yields batches of (record, where) pairs, where `where` is "LINE" for
 line-based files and "record N"/"row N" otherwise; a bad record comes back as a RecordError in
@@ -44,7 +46,8 @@ class Partition:
 
 
 def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = None) -> list[Path]:
-    """Files for the given paths/globs, sorted within each pattern; HF dataset dirs stay whole."""
+    """Files for the given paths/globs, sorted within each pattern; HF dataset dirs stay whole, also
+    inside a directory that is walked (their state.json/dataset_info.json are not records)."""
     out: list[Path] = []
     for pat in patterns:
         p = Path(pat).expanduser()
@@ -55,7 +58,7 @@ def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = No
             raise InputError(f"input '{pat}': no such file or directory ({p})")
         for m in matches:
             if m.is_dir() and not _is_hf_dir(m):
-                found = sorted(f for f in m.rglob("*") if f.suffix in SUFFIX_KINDS)
+                found = _dir_inputs(pat, m)
                 if not found:
                     raise InputError(f"input '{pat}': directory {m} holds no .jsonl/.json/.parquet files "
                                      f"and is not a saved Hugging Face dataset")
@@ -63,6 +66,32 @@ def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = No
             else:
                 out.append(m)
     return out
+
+
+def _dir_inputs(pat: str, d: Path) -> list[Path]:
+    """Data files and saved datasets under d, sorted (a path sorts before what lies under it)."""
+    _refuse_dataset_dict(pat, d)
+    datasets: list[Path] = []
+    files: list[Path] = []
+    for f in sorted(d.rglob("*")):
+        if datasets and datasets[-1] in f.parents:
+            continue  # inside a saved dataset: its Arrow files are read through its state.json
+        if f.is_dir():
+            _refuse_dataset_dict(pat, f)
+            if _is_hf_dir(f):
+                datasets.append(f)
+        elif f.suffix in SUFFIX_KINDS:
+            files.append(f)
+    return sorted(datasets + files)
+
+
+def _refuse_dataset_dict(pat: str, d: Path):
+    # save_to_disk of a DatasetDict: one saved dataset per split under a dataset_dict.json. Reading
+    # them all would mix test data into training; which split to use is the user's call.
+    if (d / "dataset_dict.json").exists():
+        splits = sorted(p.name for p in d.iterdir() if _is_hf_dir(p))
+        raise InputError(f"input '{pat}': {d} is a saved DatasetDict (splits: {', '.join(splits)}); pass one "
+                         f"split's directory, e.g. {d / (splits[0] if splits else 'train')}")
 
 
 def _is_hf_dir(p: Path) -> bool:
@@ -192,6 +221,13 @@ def _read_json(p: Partition) -> Iterator[Item]:
         yield RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the file"), "1"
         return
     except json.JSONDecodeError as e:
+        if e.msg == "Extra data":
+            # JSON Lines in a .json file (datasets' json loader reads both): one record per line,
+            # not the whole file counted as a single invalid record
+            for n, line in enumerate(raw.split(b"\n"), 1):
+                if line.strip():
+                    yield _parse_json_line(line, str(n)), str(n)
+            return
         yield RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})"), str(e.lineno)
         return
     if isinstance(data, dict):

@@ -189,6 +189,75 @@ def test_refuses_foreign_output_dir(tmp_path, tiny_tokenizer):
                        log=lambda s: None)
 
 
+@pytest.mark.parametrize("old", ["interrupted", "complete"])
+def test_killed_while_replacing_an_old_output(tmp_path, tiny_tokenizer, monkeypatch, old):
+    # Run A leaves an output (interrupted after every partition is done, or complete); run B, with
+    # another pipeline, is killed while it deletes that output, right after the shards went. A
+    # rerun of A must not take the leftovers for its own (resume into, or "up to date" over) a
+    # directory whose shards are gone.
+    import shutil
+
+    import astrai.data.preprocess as pre
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(120, seed=4))
+    a, b = pipeline(partition_bytes=5000), pipeline(partition_bytes=5000, min_chars=10)
+
+    def run(pipe, out):
+        run_preprocess(pipe, [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1, log=lambda s: None)
+
+    run(a, tmp_path / "clean")
+    out = tmp_path / "o"
+    if old == "interrupted":
+        with monkeypatch.context() as m:
+            m.setattr(pre, "_stats", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+            with pytest.raises(KeyboardInterrupt):
+                run(a, out)
+    else:
+        run(a, out)
+    assert list((out / "data").glob("*.parquet"))
+    rmtree = shutil.rmtree
+
+    def rmtree_then_die(path, *args, **kw):
+        rmtree(path, *args, **kw)
+        if Path(path).name == "data":
+            raise KeyboardInterrupt  # SIGKILL right here
+
+    with monkeypatch.context() as m:
+        m.setattr(pre.shutil, "rmtree", rmtree_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            run(b, out)
+    run(a, out)
+    assert rows(out) == rows(tmp_path / "clean") and digest(out) == digest(tmp_path / "clean")
+
+
+def test_stale_temporary_files_in_the_output_root_are_removed(tmp_path, tiny_tokenizer):
+    # stats.json, manifest.json and rejects.jsonl are written under temporary names there too
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(20))
+    out = tmp_path / "o"
+    (out / ".work").mkdir(parents=True)
+    (out / ".manifest.json.tmp-12345").write_text("{")  # a run killed while writing its manifest
+    run_preprocess(pipeline(), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1, log=lambda s: None)
+    assert not list(out.rglob(".*.tmp-*"))
+
+
+@pytest.mark.parametrize("strategy", ["none", "bfd"])
+def test_max_items_over_several_partitions_and_files(tmp_path, tiny_tokenizer, strategy):
+    # the limit runs out in the middle of the data; later partitions, and a file of blank lines
+    # (a partition without records), read nothing
+    blank, data = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    blank.write_text("\n\n\n")
+    text = chat_records(200, seed=3)
+    data.write_text(text)
+    pipe = pipeline(packing_strategy=strategy, max_packed_len=256, max_items=77, partition_bytes=4000)
+    stats = run_preprocess(pipe, [str(blank), str(data)], str(tmp_path / "o"), tokenizer=str(tiny_tokenizer),
+                           workers=2, log=lambda s: None)
+    ref = reference_docs(pipe, tiny_tokenizer, "\n".join(text.splitlines()[:77]))
+    assert stats["records_read"] == 77 and stats["records_kept"] == len(ref)
+    assert stats["tokens"] == sum(len(d) for d in ref)
+
+
 KILL_SCRIPT = """
 import sys
 if __name__ != "__main__":
@@ -231,6 +300,39 @@ def test_sigkill_and_rerun_is_byte_identical(tmp_path, tiny_tokenizer, strategy)
     subprocess.run(args, check=True)
     assert digest(out) == want
     assert not list(out.rglob(".*.tmp-*"))
+
+
+WORKER_KILL_SCRIPT = """
+import os, signal, sys
+if __name__ != "__main__":
+    raise SystemExit
+import astrai.data.preprocess as pre
+from astrai.config import Pipeline
+real = pre._pass1
+def pass1_dies(arg, limit=None):
+    if arg[1].index == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does, to one worker
+    return real(arg, limit)
+if sys.argv[5] == "kill":
+    pre._pass1 = pass1_dies
+p = Pipeline.model_validate_json(sys.argv[1])
+pre.run_preprocess(p, [sys.argv[2]], sys.argv[3], tokenizer=sys.argv[4], workers=2, log=lambda s: None)
+"""
+
+
+def test_a_killed_worker_fails_the_run_instead_of_hanging(tmp_path, tiny_tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(200, seed=2))
+    pipe = pipeline(partition_bytes=5000)
+    run_preprocess(pipe, [str(data)], str(tmp_path / "clean"), tokenizer=str(tiny_tokenizer), workers=1,
+                   log=lambda s: None)
+    script = tmp_path / "run.py"
+    script.write_text(WORKER_KILL_SCRIPT)
+    args = [sys.executable, str(script), pipe.model_dump_json(), str(data), str(tmp_path / "o"), str(tiny_tokenizer)]
+    r = subprocess.run(args + ["kill"], capture_output=True, text=True, timeout=60)  # multiprocessing.Pool hung here
+    assert r.returncode != 0 and "worker process died" in r.stderr, r.stderr[-2000:]
+    subprocess.run(args + ["ok"], check=True, timeout=60)
+    assert digest(tmp_path / "o") == digest(tmp_path / "clean")
 
 
 def test_dpo_and_grpo_rows(tmp_path, tiny_tokenizer):

@@ -60,6 +60,37 @@ def test_json_object_list_parquet_and_hf_dir(tmp_path):
     assert [r["text"] for r, _ in items] == ["h0", "h1", "h2"]
 
 
+def test_hf_dataset_dirs_inside_a_directory(tmp_path):
+    # A saved dataset inside a walked directory is read whole, from its Arrow files, never as its
+    # metadata JSON; a DatasetDict (splits) is refused: which split to train on is the user's call.
+    datasets = pytest.importorskip("datasets")
+    root = tmp_path / "data"
+    datasets.Dataset.from_dict({"text": ["h0", "h1"]}).save_to_disk(str(root / "hf"))
+    (root / "z.jsonl").write_text(json.dumps({"text": "j0"}) + "\n")
+    items, parts = read_all([root])
+    assert [r["text"] for r, _ in items] == ["h0", "h1", "j0"]
+    assert [p.kind for p in parts] == ["arrow", "jsonl"]
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]}),
+                                   "test": datasets.Dataset.from_dict({"text": ["b"]})})
+    splits.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(InputError, match="DatasetDict.*train"):
+        expand_inputs([str(tmp_path / "dd")])
+    splits.save_to_disk(str(root / "dd"))
+    with pytest.raises(InputError, match="DatasetDict"):
+        expand_inputs([str(root)])
+    assert [r["text"] for r, _ in read_all([tmp_path / "dd" / "train"])[0]] == ["a"]
+
+
+def test_json_lines_in_a_json_file(tmp_path):
+    # many datasets ship JSON Lines as .json (datasets' json loader reads both): one record per line,
+    # never the whole file counted as one invalid record
+    f = tmp_path / "lines.json"
+    f.write_text(json.dumps({"text": "a"}) + "\n\n" + json.dumps({"text": "b"}) + "\n{bad\n")
+    items, _ = read_all([f])
+    assert items[:2] == [({"text": "a"}, "1"), ({"text": "b"}, "3")]
+    assert items[2][0].reason == "invalid_json" and items[2][1] == "4" and len(items) == 3
+
+
 def test_globs_and_missing_inputs(tmp_path):
     for n in ("b", "a", "c"):
         (tmp_path / f"{n}.jsonl").write_text(json.dumps({"n": n}) + "\n")
