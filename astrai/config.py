@@ -63,7 +63,8 @@ TrainOrMask = Literal["train", "mask"]
 
 class Section(_StrictModel):
     field: Union[str, list[str]] = Field(
-        description="record field to read; a list of fields holding messages is concatenated (e.g. [prompt, chosen])"
+        description="record field to read; a list of message fields is joined into one conversation "
+        "(e.g. [prompt, chosen]) whose messages from all but the last field are prompt: never trained"
     )
     action: Action = Field("train", description="train | mask | $role (role rules, needs template) | value (copy raw)")
     template: bool = Field(False, description="render the field's messages with the chat template")

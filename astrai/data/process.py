@@ -186,9 +186,11 @@ class Processor:
                 values[source or fld] = _value(_field(rec, fld), fld)
                 continue
             if s.template:
-                msgs = self._messages(rec, s)
+                msgs, n_prompt = self._messages(rec, s)
                 trained = self._trained_flags(msgs, s)
-                tools = _field(rec, self.p.input.tools_field) if self.p.input.tools_field else None
+                trained[:n_prompt] = [False] * n_prompt
+                # tools are optional per record: a missing or null field renders no tools
+                tools = rec.get(self.p.input.tools_field) if self.p.input.tools_field else None
                 chat = render_with_regions(self.template, msgs, trained, add_generation_prompt=s.add_generation_prompt,
                                            tools=tools, special_tokens=self.special, template_kwargs=self.kwargs,
                                            gen_prompt=self.gen_prompt)
@@ -206,10 +208,18 @@ class Processor:
                 parts.append(_Part(s.separator + text, add_special, s.action == "train"))
         return parts, values, chars
 
-    def _messages(self, rec: dict, s: Section) -> list[dict]:
+    def _messages(self, rec: dict, s: Section) -> tuple[list[dict], int]:
+        """The section's messages, and how many come from prompt fields (all fields but the last).
+
+        With field: [prompt, chosen] the prompt's messages are context and never trained, whatever
+        their role: DPO and prompt/completion data train only the answer.
+        """
         fields = [s.field] if isinstance(s.field, str) else s.field
         msgs: list[dict] = []
-        for f in fields:
+        n_prompt = 0
+        for fi, f in enumerate(fields):
+            if fi == len(fields) - 1:
+                n_prompt = len(msgs)
             v = _field(rec, f)
             if isinstance(v, str):  # a bare string in a message list position: a user/assistant turn
                 raise RecordError("wrong_type", "must be a list of messages ({role, content}), got a string", key=f)
@@ -238,7 +248,7 @@ class Processor:
                 msgs.append(m)
         if not msgs:
             raise RecordError("empty_conversation", "the conversation has no messages", key=fields[0])
-        return msgs
+        return msgs, n_prompt
 
     def _trained_flags(self, msgs: list[dict], s: Section) -> list[bool]:
         flags = []

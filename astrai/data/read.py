@@ -204,6 +204,8 @@ def _parse_json_line(raw: bytes, where: str):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line")
+    if where == "1" and text.startswith("\ufeff"):
+        text = text[1:]  # a UTF-8 byte order mark (some editors write one) is not part of the record
     try:
         rec = json.loads(text)
     except json.JSONDecodeError as e:
@@ -216,7 +218,7 @@ def _parse_json_line(raw: bytes, where: str):
 def _read_json(p: Partition) -> Iterator[Item]:
     raw = Path(p.file).read_bytes()
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8-sig"))  # -sig: a byte order mark is not content
     except UnicodeDecodeError as e:
         yield RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the file"), "1"
         return

