@@ -8,6 +8,7 @@ conversations are cut to alternate, starting with user and ending with assistant
 from __future__ import annotations
 
 import json
+import os
 from typing import Iterator, Optional
 
 ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
@@ -73,3 +74,13 @@ def chats(limit: Optional[int] = None) -> tuple[str, list[dict]]:
         return "sharegpt", list(sharegpt(limit))
     except ImportError:
         return "chitchat", list(chitchat(limit))
+
+
+def write_jsonl(path, records: list[dict], source: str, n: int) -> int:
+    """n conversations as JSONL, cycling the real ones with distinct ids; returns the bytes written."""
+    with open(path, "w", encoding="utf-8") as fh:
+        for i in range(n):
+            r = records[i % len(records)]
+            fh.write(json.dumps({"id": f"{r.get('id')}-{i}", "source": source, "messages": r["messages"]},
+                                ensure_ascii=False) + "\n")
+    return os.path.getsize(path)

@@ -54,16 +54,6 @@ def pipeline_overrides(packing: str, partition_bytes: int) -> list[str]:
             "preprocessing.on_error=skip"]
 
 
-def write_input(path: Path, records: list[dict], source: str, n: int) -> int:
-    """n conversations as JSONL, cycling the real ones with distinct ids; returns the bytes written."""
-    with open(path, "w", encoding="utf-8") as fh:
-        for i in range(n):
-            r = records[i % len(records)]
-            fh.write(json.dumps({"id": f"{r.get('id')}-{i}", "source": source, "messages": r["messages"]},
-                                ensure_ascii=False) + "\n")
-    return path.stat().st_size
-
-
 def output_digest(out: Path) -> tuple[str, list[str]]:
     """sha256 over data/*.parquet (names and bytes, in name order) and stats.json."""
     h = hashlib.sha256()
@@ -141,13 +131,13 @@ def main():
         return child(args)
 
     sys.path.insert(0, str(HERE))
-    from data import chats
+    from data import chats, write_jsonl
 
     source, records = chats(args.records)
     partition_bytes = int(args.partition_mib * (1 << 20))
     tmp = Path(tempfile.mkdtemp(prefix="astrai-e2e-"))
     input_path = tmp / "chats.jsonl"
-    size = write_input(input_path, records, source, args.records)
+    size = write_jsonl(input_path, records, source, args.records)
     from astrai.data.read import plan_partitions
 
     n_parts = len(plan_partitions([input_path], partition_bytes))

@@ -47,15 +47,6 @@ def overrides(packing: str, batch_size: int | None) -> tuple[str, ...]:
     return tuple(o)
 
 
-def write_input(path: Path, records: list[dict], source: str, n: int) -> int:
-    with open(path, "w", encoding="utf-8") as fh:
-        for i in range(n):
-            r = records[i % len(records)]
-            fh.write(json.dumps({"id": f"{r.get('id')}-{i}", "source": source, "messages": r["messages"]},
-                                ensure_ascii=False) + "\n")
-    return path.stat().st_size
-
-
 def child(args):
     """In the fresh child: one run (or, with --baseline, only the fixed set-up); prints one JSON line."""
     from astrai.config import load_pipeline
@@ -139,7 +130,7 @@ def main():
         return child(args)
 
     sys.path.insert(0, str(HERE))
-    from data import chats
+    from data import chats, write_jsonl
 
     source, records = chats(args.records * args.scale)
     tmp = Path(tempfile.mkdtemp(prefix="astrai-rss-"))
@@ -149,7 +140,7 @@ def main():
         inputs = {}
         for k, n in sizes.items():
             inputs[k] = tmp / f"chats-{k}x.jsonl"
-            mib = write_input(inputs[k], records, source, n) / 2 ** 20
+            mib = write_jsonl(inputs[k], records, source, n) / 2 ** 20
             print(f"input {k}x: {n} conversations ({min(n, len(records))} distinct, {source}), {mib:.1f} MiB JSONL")
         packings = [p.strip() for p in args.packing.split(",") if p.strip()]
         base = run_child(packings[0], None, tmp / "base", args.batch_size, baseline=True)
