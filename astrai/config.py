@@ -421,16 +421,27 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=c` overrides in place. A numeric part indexes a list (input.sections.0.action=mask)."""
     for expr in overrides:
         parts, value = parse_set(expr)
         cur = data
-        for p in parts[:-1]:
-            nxt = cur.get(p)
-            if not isinstance(nxt, dict):
-                nxt = {}
-                cur[p] = nxt
-            cur = nxt
-        cur[parts[-1]] = value
+        for i, p in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(cur, list):
+                if not p.isdigit() or int(p) >= len(cur):
+                    raise ValueError(f"--set {expr}: '{p}' is not an index of the {len(cur)}-item list "
+                                     f"{'.'.join(parts[:i])}")
+                key = int(p)
+            else:
+                key = p
+            if last:
+                cur[key] = value
+            else:
+                nxt = cur[key] if (isinstance(cur, list) or key in cur) else None
+                if not isinstance(nxt, (dict, list)):
+                    nxt = {}
+                    cur[key] = nxt
+                cur = nxt
     return data
 
 
@@ -477,17 +488,23 @@ def validate_data(data: Any, model: type[BaseModel], file: str, marks: Optional[
 _COMBINATION_CHECKS.update({Pipeline: pipeline_combination_problems, Recipe: recipe_combination_problems})
 
 
+def _override(data: Any, overrides, path):
+    if isinstance(data, dict) and overrides:
+        try:
+            apply_overrides(data, list(overrides))
+        except ValueError as e:
+            raise ConfigError(str(path), [Problem("--set", str(e))]) from None
+
+
 def load_pipeline(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Pipeline:
     data, marks = load_yaml(path)
-    if isinstance(data, dict) and overrides:
-        apply_overrides(data, list(overrides))
+    _override(data, overrides, path)
     return validate_data(data, Pipeline, str(path), marks)
 
 
 def load_recipe(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Recipe:
     data, marks = load_yaml(path)
-    if isinstance(data, dict) and overrides:
-        apply_overrides(data, list(overrides))
+    _override(data, overrides, path)
     return validate_data(data, Recipe, str(path), marks)
 
 
@@ -501,8 +518,7 @@ def detect_kind(data: Any) -> str:
 def load_any(path: str | os.PathLike, overrides: tuple[str, ...] = ()):
     """Load a pipeline or a recipe (by its keys). For a recipe, its pipeline is loaded and checked too."""
     data, marks = load_yaml(path)
-    if isinstance(data, dict) and overrides:
-        apply_overrides(data, list(overrides))
+    _override(data, overrides, path)
     if detect_kind(data) == "recipe":
         recipe = validate_data(data, Recipe, str(path), marks)
         pipe_path = Path(path).parent / recipe.preprocess.pipeline

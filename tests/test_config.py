@@ -174,3 +174,12 @@ def test_every_bundled_yaml_validates(path):
     assert isinstance(pipe, Pipeline)
     if "recipes" in path:
         assert isinstance(recipe, Recipe)
+
+
+def test_overrides_index_lists(tmp_path):
+    p = write(tmp_path, "version: 1\ninput: {sections: [{field: text}, {field: more, action: train}]}\n")
+    pipe = load_pipeline(p, overrides=("input.sections.1.action=mask",))
+    assert pipe.input.sections[1].action == "mask" and pipe.input.sections[0].action == "train"
+    with pytest.raises(ConfigError) as e:
+        load_pipeline(p, overrides=("input.sections.5.action=mask",))
+    assert e.value.problems[0].path == "--set" and "2-item list" in e.value.problems[0].message
