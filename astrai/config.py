@@ -76,6 +76,9 @@ class Section(_StrictModel):
         None, description="template sections: per-message boolean field; true = train, false = mask (overrides role rule)"
     )
     separator: str = Field("", description="non-template sections: text placed before this section's text")
+    value_type: Literal["float", "float_list", "int", "string", "bool"] = Field(
+        "float", description="value sections: the column type (float is float32: a reward of 0.8 stays 0.8)"
+    )
 
 
 class Source(_StrictModel):

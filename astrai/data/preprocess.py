@@ -412,7 +412,7 @@ def _bins_table(rows, job: Job, proc: Processor):
         cols["position_ids"] = list_array(_cat(pos), row_lens)
     cols["seq_lens"] = list_array(lens, per_row)
     for key in sorted({k for _, vals in rows for k in vals}):
-        cols[key] = value_array([vals.get(key) for _, vals in rows])
+        cols[key] = value_array([vals.get(key) for _, vals in rows], *proc.value_types[key])
     return pa.table(cols)
 
 
@@ -439,7 +439,7 @@ def _multi_table(docs: list[Doc], proc: Processor):
             if trains:
                 cols[f"{name}_labels"] = list_array(_cat([s.labels for s in seqs]), lens)
     for key in sorted({k for d in docs for k in d.values}):
-        cols[key] = value_array([d.values.get(key) for d in docs])
+        cols[key] = value_array([d.values.get(key) for d in docs], *proc.value_types[key])
     return pa.table(cols)
 
 

@@ -94,6 +94,17 @@ class Processor:
             self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
 
     @property
+    def value_types(self) -> dict[str, tuple[str, bool]]:
+        """Value column -> (value_type, one value per list item)."""
+        out = {}
+        for name, (secs, list_field) in self.sources.items():
+            for s in secs:
+                if s.action == "value":
+                    out[name or (s.field if isinstance(s.field, str) else s.field[0])] = (s.value_type,
+                                                                                          list_field is not None)
+        return out
+
+    @property
     def has_labels(self) -> bool:
         """False for plain-text pretraining: every section trains all its tokens, so labels are omitted."""
         return any(s.template or s.action == "mask" for secs, _ in self.sources.values() for s in secs)
@@ -183,7 +194,7 @@ class Processor:
         for s in sections:
             if s.action == "value":
                 fld = s.field if isinstance(s.field, str) else s.field[0]
-                values[source or fld] = _value(_field(rec, fld), fld)
+                values[source or fld] = _value(_field(rec, fld), s.value_type, fld)
                 continue
             if s.template:
                 msgs, n_prompt = self._messages(rec, s)
@@ -350,11 +361,18 @@ def _field(rec: dict, name: str):
     return rec[name]
 
 
-def _value(v, key: str):
-    if isinstance(v, bool) or not isinstance(v, (int, float, str, list)):
-        if not isinstance(v, bool):
-            raise RecordError("wrong_type", f"a value field must be a number, string or list, got {_type(v)}", key=key)
-    return v
+def _value(v, value_type: str, key: str):
+    """A value field checked against its declared type, so every record writes the same column type."""
+    def num(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    ok = {"float": num(v), "int": isinstance(v, int) and not isinstance(v, bool),
+          "float_list": isinstance(v, list) and all(num(x) for x in v),
+          "string": isinstance(v, str), "bool": isinstance(v, bool)}[value_type]
+    if not ok:
+        hint = " (declare value_type: float_list for a list of numbers)" if isinstance(v, list) else ""
+        raise RecordError("wrong_type", f"value_type {value_type}: got {_type(v)} {v!r:.40}{hint}", key=key)
+    return float(v) if value_type == "float" else v
 
 
 def _type(v) -> str:

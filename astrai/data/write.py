@@ -48,16 +48,15 @@ def nested_list_array(values: np.ndarray, inner_lengths: np.ndarray, outer_count
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), inner)
 
 
-def value_array(vals: list) -> pa.Array:
-    """Value columns: numbers -> float32 (0.8 stays 0.8), lists of numbers -> list<float32>, else as is."""
-    def is_num(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
+_VALUE_TYPES = {"float": pa.float32(), "float_list": pa.list_(pa.float32()), "int": pa.int64(),
+                "string": pa.string(), "bool": pa.bool_()}
 
-    if vals and all(is_num(v) for v in vals):
-        return pa.array(vals, pa.float32())
-    if vals and all(isinstance(v, list) and all(is_num(x) for x in v) for v in vals):
-        return pa.array(vals, pa.list_(pa.float32()))
-    return pa.array(vals)
+
+def value_array(vals: list, value_type: str, per_item: bool) -> pa.Array:
+    """A value column of its declared type (float is float32: a reward of 0.8 never becomes 0);
+    per_item: one value per list item (GRPO completions), so a list of that type."""
+    t = _VALUE_TYPES[value_type]
+    return pa.array(vals, pa.list_(t) if per_item else t)
 
 
 class ShardWriter:

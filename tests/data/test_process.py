@@ -243,7 +243,7 @@ def test_grpo_groups(chat_tok):
                                  "add_generation_prompt": True}]},
         "completion": {"list_field": "completions", "sections": [{"field": "$item", "action": "train",
                                                                  "add_special_tokens": False}]},
-        "rewards": {"sections": [{"field": "rewards", "action": "value"}]},
+        "rewards": {"sections": [{"field": "rewards", "action": "value", "value_type": "float_list"}]},
     }
     pr = proc(chat_tok, sources=sources, chat_template="chatml")
     rec = {"prompt": [{"role": "user", "content": "2+2?"}], "completions": ["4", "four", "5 🙃"],
@@ -399,3 +399,17 @@ def test_tools_field_is_optional_per_record():
     assert isinstance(pr.process_one({"messages": msgs}), Doc)
     with_tools = pr.process_one({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert isinstance(with_tools, Doc) and len(with_tools.seqs[""]) > len(pr.process_one({"messages": msgs}).seqs[""])
+
+
+def test_value_types_are_declared_and_checked_per_record(chat_tok):
+    sources = {
+        "prompt": {"sections": [{"field": "prompt", "action": "mask", "template": True}]},
+        "rewards": {"sections": [{"field": "rewards", "action": "value"}]},  # default float
+    }
+    pr = proc(chat_tok, sources=sources, chat_template="chatml")
+    rec = {"prompt": [{"role": "user", "content": "q"}], "rewards": 1}
+    r = pr.process_one(rec)
+    assert isinstance(r, Doc) and r.values["rewards"] == 1.0 and isinstance(r.values["rewards"], float)
+    e = err(pr.process_one({**rec, "rewards": [0.5]}), "wrong_type", "rewards")
+    assert "float_list" in str(e)
+    err(pr.process_one({**rec, "rewards": "high"}), "wrong_type", "rewards")
