@@ -42,7 +42,7 @@ from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_pa
 from astrai.data.template import resolve_template
 from astrai.data.tokenizer import load_tokenizer
 from astrai.data.write import (
-    I32, ShardWriter, atomic_write_bytes, atomic_write_text, list_array, nested_list_array, positions,
+    ShardWriter, atomic_write_bytes, atomic_write_text, list_array, nested_list_array, positions,
     remove_stale_tmp, value_array,
 )
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -289,14 +288,3 @@ def file_fingerprint(path: str) -> str:
                 break
             h.update(block)
     return h.hexdigest()
-
-
-def input_files_for_fingerprint(parts: list[Partition]) -> list[str]:
-    return sorted({p.file for p in parts})
-
-
-def display_path(path: str) -> str:
-    try:
-        return os.path.relpath(path)
-    except ValueError:
-        return path
