@@ -69,7 +69,7 @@ def test_data_imports_without_torch(tmp_path):
     """astrai.data and pipeline loading work where torch cannot be imported."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hello world"}\n')
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import sys
         class Block:
             def find_spec(self, name, path=None, target=None):
@@ -79,7 +79,7 @@ def test_data_imports_without_torch(tmp_path):
         import astrai.data, astrai.config
         import astrai.data.read, astrai.data.process, astrai.data.mask, astrai.data.template
         import astrai.data.preprocess, astrai.data.write, astrai.data.tokenizer
-        p = astrai.config.Pipeline.model_validate({{"version": 1, "input": {{"sections": [{{"field": "text"}}]}}}})
+        p = astrai.config.Pipeline.model_validate({"version": 1, "input": {"sections": [{"field": "text"}]}})
         assert "torch" not in sys.modules
         print("ok")
     """)

@@ -11,7 +11,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
