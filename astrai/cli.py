@@ -12,7 +12,7 @@ from pathlib import Path
 
 from astrai import __version__
 from astrai.config import (
-    ConfigError, Pipeline, Recipe, Section, Source, load_any, load_pipeline, load_recipe, model_help,
+    ConfigError, Pipeline, Recipe, Section, Source, load_any, load_pipeline, model_help,
 )
 
 NOT_LANDED = {
@@ -131,25 +131,9 @@ def _dispatch(args) -> int:
     raise AssertionError(args.verb)
 
 
-def _split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """Recipe overrides; `pipeline.KEY=...` ones go to the recipe's pipeline."""
-    recipe, pipe = [], []
-    for o in overrides:
-        (pipe if o.startswith("pipeline.") else recipe).append(o[len("pipeline."):] if o.startswith("pipeline.") else o)
-    return recipe, pipe
-
-
 def _validate(args) -> int:
     try:
-        from astrai.config import detect_kind, load_yaml
-
-        data, _ = load_yaml(args.file)
-        if detect_kind(data) == "recipe":
-            r_over, p_over = _split_overrides(args.overrides)
-            recipe = load_recipe(args.file, tuple(r_over))
-            load_pipeline(Path(args.file).parent / recipe.preprocess.pipeline, tuple(p_over))
-        else:
-            load_any(args.file, tuple(args.overrides))
+        load_any(args.file, tuple(args.overrides))
     except ConfigError as e:
         for p in e.problems:
             print(f"{e.file}:{p}")
@@ -176,19 +160,16 @@ def _preprocess(args) -> int:
 def _run(args) -> int:
     from astrai.data.preprocess import run_preprocess
 
-    r_over, p_over = _split_overrides(args.overrides)
-    recipe = load_recipe(args.recipe, tuple(r_over))
-    base = Path(args.recipe).parent
-    pipeline = load_pipeline(base / recipe.preprocess.pipeline, tuple(p_over))
-    stage = recipe.preprocess
+    cfg = load_any(args.recipe, tuple(args.overrides))
+    if cfg.recipe is None:
+        print(f"error: {args.recipe} is a pipeline, not a recipe (use astrai preprocess)", file=sys.stderr)
+        return 1
+    stage = cfg.recipe.preprocess
+    out = cfg.recipe_path(stage.output)
     t0 = time.time()
-    print(f"[preprocess] {base / stage.pipeline} -> {base / stage.output}")
-    tok = stage.tokenizer
-    if tok and not tok.startswith("package:") and not Path(tok).is_absolute():
-        tok = str(base / tok)  # recipe paths are relative to the recipe
-    run_preprocess(pipeline, [str(base / i) for i in stage.inputs], str(base / stage.output),
-                   tokenizer=tok, workers=stage.workers,
-                   base_dir=str((base / stage.pipeline).parent))
+    print(f"[preprocess] {cfg.pipeline_path} -> {out}")
+    run_preprocess(cfg.pipeline, [cfg.recipe_path(i) for i in stage.inputs], out, tokenizer=cfg.recipe_tokenizer,
+                   workers=stage.workers, base_dir=str(cfg.pipeline_path.parent))
     print(f"[preprocess] done in {time.time() - t0:.1f}s")
     return 0
 

@@ -518,18 +518,49 @@ def detect_kind(data: Any) -> str:
     return "pipeline"
 
 
-def load_any(path: str | os.PathLike, overrides: tuple[str, ...] = ()):
-    """Load a pipeline or a recipe (by its keys). For a recipe, its pipeline is loaded and checked too."""
+@dataclass(frozen=True)
+class Loaded:
+    """A pipeline file, or a recipe with its pipeline, with paths resolved the way every verb needs."""
+
+    recipe: Optional[Recipe]
+    pipeline: Pipeline
+    pipeline_path: Path
+    recipe_dir: Optional[Path] = None
+
+    def recipe_path(self, rel: str) -> str:
+        """A path written in the recipe (inputs, output, tokenizer), relative to the recipe file."""
+        if rel.startswith("package:") or Path(rel).is_absolute():
+            return rel
+        return os.path.normpath(self.recipe_dir / rel)
+
+    @property
+    def recipe_tokenizer(self) -> Optional[str]:
+        tok = self.recipe.preprocess.tokenizer if self.recipe else None
+        return self.recipe_path(tok) if tok else None
+
+
+def split_overrides(overrides) -> tuple[list[str], list[str]]:
+    """Recipe overrides, and the `pipeline.KEY=...` ones that go to the recipe's pipeline."""
+    recipe = [o for o in overrides if not o.startswith("pipeline.")]
+    pipe = [o[len("pipeline."):] for o in overrides if o.startswith("pipeline.")]
+    return recipe, pipe
+
+
+def load_any(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Loaded:
+    """Load a pipeline or a recipe (by its keys). For a recipe, its pipeline is loaded and checked too,
+    and `pipeline.KEY=...` overrides go to that pipeline."""
     data, marks = load_yaml(path)
-    _override(data, overrides, path)
-    if detect_kind(data) == "recipe":
-        recipe = validate_data(data, Recipe, str(path), marks)
-        pipe_path = Path(path).parent / recipe.preprocess.pipeline
-        if not pipe_path.exists():
-            line, col = _find_mark(marks, ("preprocess", "pipeline"))
-            raise ConfigError(str(path), [Problem("preprocess.pipeline", f"file not found: {pipe_path}", line, col)])
-        return recipe, load_pipeline(pipe_path)
-    return None, validate_data(data, Pipeline, str(path), marks)
+    if detect_kind(data) != "recipe":
+        _override(data, overrides, path)
+        return Loaded(None, validate_data(data, Pipeline, str(path), marks), Path(path))
+    r_over, p_over = split_overrides(overrides)
+    _override(data, r_over, path)
+    recipe = validate_data(data, Recipe, str(path), marks)
+    pipe_path = Path(path).parent / recipe.preprocess.pipeline
+    if not pipe_path.exists():
+        line, col = _find_mark(marks, ("preprocess", "pipeline"))
+        raise ConfigError(str(path), [Problem("preprocess.pipeline", f"file not found: {pipe_path}", line, col)])
+    return Loaded(recipe, load_pipeline(pipe_path, tuple(p_over)), pipe_path, Path(path).parent)
 
 
 def model_help(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -170,7 +170,8 @@ def test_python_api_reads_the_same_models():
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "pipelines", "*.yaml"))
                                     + glob.glob(os.path.join(ROOT, "recipes", "*.yaml"))))
 def test_every_bundled_yaml_validates(path):
-    recipe, pipe = load_any(path)
+    cfg = load_any(path)
+    recipe, pipe = cfg.recipe, cfg.pipeline
     assert isinstance(pipe, Pipeline)
     if "recipes" in path:
         assert isinstance(recipe, Recipe)

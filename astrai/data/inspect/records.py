@@ -50,25 +50,14 @@ def records_report(path: str, inputs: Optional[list[str]], wanted: list[int], ov
 
 def _load_config(path: str, overrides: list[str], tokenizer: Optional[str]):
     """(pipeline, pipeline dir, tokenizer spec, its base dir, the recipe's inputs) for a pipeline or a recipe."""
-    from astrai.config import detect_kind, load_pipeline, load_recipe, load_yaml
+    from astrai.config import load_any
 
     if not Path(path).is_file():
         raise InputError(f"{path}: no such file (give a pipeline/recipe YAML or a preprocessed output directory)")
-    data, _ = load_yaml(path)
-    spec, tok_base, inputs = None, None, []
-    if detect_kind(data) == "recipe":
-        # as `astrai run`: `pipeline.KEY=...` overrides go to the recipe's pipeline
-        recipe = load_recipe(path, tuple(o for o in overrides if not o.startswith("pipeline.")))
-        base = Path(path).parent
-        pipe_path = base / recipe.preprocess.pipeline
-        if not pipe_path.is_file():
-            raise InputError(f"{path}: preprocess.pipeline: no such file {pipe_path}")
-        pipeline = load_pipeline(pipe_path, tuple(o[9:] for o in overrides if o.startswith("pipeline.")))
-        inputs = [os.path.normpath(base / i) for i in recipe.preprocess.inputs]
-        spec, tok_base = recipe.preprocess.tokenizer, base
-    else:
-        pipe_path = Path(path)
-        pipeline = load_pipeline(pipe_path, tuple(overrides))
+    cfg = load_any(path, tuple(overrides))  # a recipe's `pipeline.KEY=...` overrides go to its pipeline
+    pipeline, pipe_path = cfg.pipeline, cfg.pipeline_path
+    inputs = [cfg.recipe_path(i) for i in cfg.recipe.preprocess.inputs] if cfg.recipe else []
+    spec, tok_base = cfg.recipe_tokenizer, None
     if tokenizer:
         # a path typed on the command line is relative to the working directory (else to the pipeline)
         spec, tok_base = tokenizer, Path.cwd() if Path(tokenizer).exists() else pipe_path.parent
