@@ -29,6 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from astrai.data.write import positions
+
 IGNORE = -100
 
 
@@ -92,15 +94,8 @@ class ShardDataset:
         if "position_ids" in row:
             pos = torch.from_numpy(row["position_ids"].values.to_numpy(zero_copy_only=False).astype(np.int64))
         else:
-            pos = _doc_positions(seq_lens)
+            pos = torch.from_numpy(positions(seq_lens.numpy(), "doc_reset").astype(np.int64))
         return {"input_ids": ids, "labels": labels, "position_ids": pos, "seq_lens": seq_lens}
-
-
-def _doc_positions(seq_lens):
-    import torch
-
-    starts = torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
-    return torch.arange(int(seq_lens.sum())) - starts
 
 
 def split_documents(row: dict) -> list[dict]:

@@ -42,8 +42,8 @@ from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_pa
 from astrai.data.template import resolve_template
 from astrai.data.tokenizer import load_tokenizer
 from astrai.data.write import (
-    ShardWriter, atomic_write_bytes, atomic_write_text, list_array, nested_list_array, positions,
-    remove_stale_tmp, value_array,
+    ShardWriter, atomic_write_bytes, atomic_write_text, concat, list_array, nested_list_array, remove_stale_tmp,
+    rows_columns, value_array,
 )
 
 FORMAT_VERSION = 1
@@ -91,7 +91,7 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     job = Job(pipeline, str(tok.path), base_dir, str(outp))
     workers = max(1, workers or os.cpu_count() or 1)
 
-    _processor(job)  # built once here (no encoding yet), inherited by forked workers
+    _processor(job, tok, template)  # built once here (no encoding yet), inherited by forked workers
     todo = [p for p in parts if not (outp / WORK / f"{p.name}.json").exists()]
     if len(todo) < len(parts):
         log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done")
@@ -115,7 +115,7 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
         "chat_template": template.name if template else None,
         "inputs": [str(f) for f in files],
         "shards": shards,
-        "columns": _columns(job),
+        "columns": _columns(outp, shards),
         "counts": {k: stats[k] for k in ("records_read", "records_kept", "records_filtered", "records_rejected",
                                          "rows", "tokens")},
     }
@@ -230,10 +230,11 @@ def _run_limited(job: Job, parts: list[Partition], log):
 _PROCESSORS: dict = {}
 
 
-def _processor(job: Job) -> Processor:
+def _processor(job: Job, tok=None, template=None) -> Processor:
+    """The job's Processor, built once per process (from an already loaded tokenizer/template if given)."""
     key = (job.pipeline.model_dump_json(), job.tokenizer, job.base_dir)
     if key not in _PROCESSORS:
-        _PROCESSORS[key] = Processor(job.pipeline, load_tokenizer(job.tokenizer), job.base_dir)
+        _PROCESSORS[key] = Processor(job.pipeline, tok or load_tokenizer(job.tokenizer), job.base_dir, template)
     return _PROCESSORS[key]
 
 
@@ -400,17 +401,10 @@ def _bins_table(rows, job: Job, proc: Processor):
     import pyarrow as pa
 
     seqs = [s for bin_, _ in rows for s in bin_]
-    lens = np.array([len(s) for s in seqs], dtype=np.int64)
-    per_row = np.array([len(b) for b, _ in rows], dtype=np.int64)
-    row_lens = np.array([sum(len(s) for s in b) for b, _ in rows], dtype=np.int64)
-    cols = {"input_ids": list_array(_cat([s.input_ids for s in seqs]), row_lens)}
-    if proc.has_labels:
-        cols["labels"] = list_array(_cat([s.labels for s in seqs]), row_lens)
-    mode = job.pipeline.output.position_ids_mode
-    if mode != "none":
-        pos = [positions(np.array([len(s) for s in b], dtype=np.int64), mode) for b, _ in rows]
-        cols["position_ids"] = list_array(_cat(pos), row_lens)
-    cols["seq_lens"] = list_array(lens, per_row)
+    row_offsets = np.concatenate([[0], np.cumsum([len(b) for b, _ in rows])]).astype(np.int64)
+    cols = rows_columns([s.input_ids for s in seqs], [s.labels for s in seqs] if proc.has_labels else None,
+                        np.array([len(s) for s in seqs], dtype=np.int64), row_offsets,
+                        job.pipeline.output.position_ids_mode)
     for key in sorted({k for _, vals in rows for k in vals}):
         cols[key] = value_array([vals.get(key) for _, vals in rows], *proc.value_types[key])
     return pa.table(cols)
@@ -424,27 +418,23 @@ def _multi_table(docs: list[Doc], proc: Processor):
         first = docs[0].seqs.get(name)
         if first is None:
             continue  # a value-only source
-        trains = proc._source_trains(name) and proc.has_labels
+        trains = proc.source_trains(name) and proc.has_labels
         if isinstance(first, list):
             inner = [s for d in docs for s in d.seqs[name]]
             lens = np.array([len(s) for s in inner], dtype=np.int64)
             counts = np.array([len(d.seqs[name]) for d in docs], dtype=np.int64)
-            cols[f"{name}_input_ids"] = nested_list_array(_cat([s.input_ids for s in inner]), lens, counts)
+            cols[f"{name}_input_ids"] = nested_list_array(concat([s.input_ids for s in inner]), lens, counts)
             if trains:
-                cols[f"{name}_labels"] = nested_list_array(_cat([s.labels for s in inner]), lens, counts)
+                cols[f"{name}_labels"] = nested_list_array(concat([s.labels for s in inner]), lens, counts)
         else:
             seqs = [d.seqs[name] for d in docs]
             lens = np.array([len(s) for s in seqs], dtype=np.int64)
-            cols[f"{name}_input_ids"] = list_array(_cat([s.input_ids for s in seqs]), lens)
+            cols[f"{name}_input_ids"] = list_array(concat([s.input_ids for s in seqs]), lens)
             if trains:
-                cols[f"{name}_labels"] = list_array(_cat([s.labels for s in seqs]), lens)
+                cols[f"{name}_labels"] = list_array(concat([s.labels for s in seqs]), lens)
     for key in sorted({k for d in docs for k in d.values}):
         cols[key] = value_array([d.values.get(key) for d in docs], *proc.value_types[key])
     return pa.table(cols)
-
-
-def _cat(arrays) -> np.ndarray:
-    return np.concatenate(arrays) if len(arrays) else np.zeros(0, np.int32)
 
 
 class _IntermediateSink:
@@ -471,10 +461,9 @@ class _IntermediateSink:
             return
         pa = self.pa
         lens = np.array([len(s) for s in self.pending], dtype=np.int64)
-        cols = {"input_ids": list_array(_cat([s.input_ids for s in self.pending]), lens)}
-        if self.pending[0].labels is not None:
-            cols["labels"] = list_array(_cat([s.labels for s in self.pending]), lens)
-        table = pa.table(cols)
+        labels = [s.labels for s in self.pending] if self.pending[0].labels is not None else None
+        table = pa.table(rows_columns([s.input_ids for s in self.pending], labels, lens,
+                                      np.arange(len(lens) + 1), "none", with_seq_lens=False))
         if self.writer is None:
             self.writer = pa.ipc.new_file(str(self.tmp), table.schema)
         self.writer.write_table(table)
@@ -576,16 +565,7 @@ def _write_packed_shard(arg):
         ids_out.append(_list_slice(t.column("input_ids"), row, s, n))
         if has_labels:
             lab_out.append(_list_slice(t.column("labels"), row, s, n))
-    seq_lens = plen.astype(np.int64)
-    per_bin = np.diff(boffs).astype(np.int64)
-    row_lens = np.add.reduceat(seq_lens, boffs[:-1]) if len(seq_lens) else np.zeros(0, np.int64)
-    cols = {"input_ids": list_array(_cat(ids_out), row_lens)}
-    if has_labels:
-        cols["labels"] = list_array(_cat(lab_out), row_lens)
-    if o.position_ids_mode != "none":
-        pos = [positions(seq_lens[boffs[b]:boffs[b + 1]], o.position_ids_mode) for b in range(len(per_bin))]
-        cols["position_ids"] = list_array(_cat(pos), row_lens)
-    cols["seq_lens"] = list_array(seq_lens, per_bin)
+    cols = rows_columns(ids_out, lab_out if has_labels else None, plen, boffs, o.position_ids_mode)
     w = ShardWriter(Path(path), o.row_group_rows)
     try:
         w.write(pa.table(cols))
@@ -666,13 +646,8 @@ def _write_rejects(outp: Path, parts: list[Partition]):
     atomic_write_text(target, "".join(f.read_text(encoding="utf-8") for f in files))
 
 
-def _columns(job: Job) -> list[str]:
-    p = job.pipeline
-    if p.input.sources is not None:
-        return sorted(p.input.sources)
-    cols = ["input_ids"]
-    if any(s.template or s.action == "mask" for s in p.input.sections):
-        cols.append("labels")
-    if p.output.position_ids_mode != "none":
-        cols.append("position_ids")
-    return cols + ["seq_lens"]
+def _columns(outp: Path, shards: list[str]) -> list[str]:
+    """The columns as written (read from the first shard's schema, not declared a second time)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(outp / shards[0]).names if shards else []

@@ -285,14 +285,14 @@ class Processor:
         if self.has_labels:
             for name, seq in seqs.items():
                 for one in seq if isinstance(seq, list) else [seq]:
-                    if self._source_trains(name) and one.trained == 0:
+                    if self.source_trains(name) and one.trained == 0:
                         reason = "no_trained_tokens_after_truncation" if one.truncated else "no_trained_tokens"
                         return Filtered(reason, f"{name or 'record'} has no trained token")
         if "chosen" in seqs and "rejected" in seqs:
             _check_shared_prompt(seqs["chosen"], seqs["rejected"])
         return Doc(seqs, values, domain, chars)
 
-    def _source_trains(self, name: str) -> bool:
+    def source_trains(self, name: str) -> bool:
         secs, _ = self.sources[name]
         return any(s.action in ("train", "$role") for s in secs)
 

@@ -34,6 +34,33 @@ def positions(seq_lens: np.ndarray, mode: str) -> Optional[np.ndarray]:
     return (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
 
 
+def concat(arrays) -> np.ndarray:
+    return np.concatenate(arrays) if len(arrays) else np.zeros(0, np.int32)
+
+
+def rows_columns(ids: list, labels: Optional[list], seq_lens: np.ndarray, row_offsets: np.ndarray,
+                 position_mode: str, with_seq_lens: bool = True) -> dict:
+    """The token columns of rows made of documents (or document pieces), in order.
+
+    ids/labels: each document's token arrays; seq_lens: their lengths; row_offsets (n_rows + 1):
+    row r holds documents row_offsets[r]:row_offsets[r+1]. Both the streaming writer and the packed
+    shard writer build their rows here, so the two layouts cannot drift apart.
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    ends = np.concatenate([[0], np.cumsum(seq_lens)])
+    row_lens = ends[row_offsets[1:]] - ends[row_offsets[:-1]]
+    cols = {"input_ids": list_array(concat(ids), row_lens)}
+    if labels is not None:
+        cols["labels"] = list_array(concat(labels), row_lens)
+    if position_mode == "doc_reset":  # restarts per document, whatever the rows
+        cols["position_ids"] = list_array(positions(seq_lens, "doc_reset"), row_lens)
+    elif position_mode == "continuous":  # restarts per row: a row is one "document" here
+        cols["position_ids"] = list_array(positions(row_lens, "doc_reset"), row_lens)
+    if with_seq_lens:
+        cols["seq_lens"] = list_array(seq_lens, np.diff(row_offsets))
+    return cols
+
+
 def list_array(values: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """list<int32> from flat values and per-row lengths, without Python loops."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
