@@ -83,18 +83,11 @@ def run_child(input_path: Path, out: Path, packing: str, workers: int, partition
            "--packing", packing, "--workers", str(workers), "--partition-bytes", str(partition_bytes)]
     env = {k: v for k, v in os.environ.items() if k not in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
     env.update(extra_env)
-    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
-        proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, env=env, cwd=str(ROOT))
-        _, status, ru = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        so.seek(0), se.seek(0)
-        stdout, stderr = so.read(), se.read()
-    if proc.returncode != 0:
-        sys.stderr.write(stdout + stderr)
-        raise SystemExit(f"child run failed (packing={packing}, workers={workers}), exit {proc.returncode}")
+    from child import run_child
+
+    res, stderr, ru = run_child(cmd, str(ROOT), env, f"child run (packing={packing}, workers={workers})")
     if stderr.strip():
         print(f"  [child stderr, packing={packing} workers={workers}] {stderr.strip()[:500]}")
-    res = json.loads(stdout.strip().splitlines()[-1])
     res["cpu"] = ru.ru_utime + ru.ru_stime
     return res
 

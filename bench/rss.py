@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import tempfile
 import threading
@@ -95,20 +93,14 @@ def run_child(packing: str, input_path: Path | None, out: Path, batch_size: int 
                 pass
             done.wait(0.02)
 
-    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
-        proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, cwd=str(ROOT))
-        poller = threading.Thread(target=poll, args=(proc.pid,), daemon=True)
+    from child import run_child
+
+    def watch(pid: int):
+        poller = threading.Thread(target=poll, args=(pid,), daemon=True)
         poller.start()
-        _, status, ru = os.wait4(proc.pid, 0)  # this child's own rusage, reaped here
-        done.set()
-        poller.join()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        so.seek(0), se.seek(0)
-        stdout, stderr = so.read(), se.read()
-    if proc.returncode != 0:
-        sys.stderr.write(stdout + stderr)
-        raise SystemExit(f"child failed (packing={packing}), exit {proc.returncode}")
-    res = json.loads(stdout.strip().splitlines()[-1])
+        return lambda: (done.set(), poller.join())
+
+    res, _, ru = run_child(cmd, str(ROOT), None, f"child (packing={packing})", watch)
     res["maxrss_mib"] = ru.ru_maxrss / 1024  # KiB on Linux
     res["anon_mib"], res["file_mib"] = peak["RssAnon"] / 1024, peak["RssFile"] / 1024
     return res
