@@ -79,8 +79,9 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     tok = load_tokenizer(tok_spec, base_dir)
     template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
     files = expand_inputs(inputs)  # relative to the working directory; recipes join their own base
-    parts = plan_partitions(files, pipeline.preprocessing.partition_bytes)
-    fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files)
+    digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
+    parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
+    fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests)
     outp = Path(out)
     manifest = outp / "manifest.json"
     if manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
@@ -126,7 +127,8 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     return stats
 
 
-def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[Path]) -> str:
+def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[Path],
+                digests: Optional[dict] = None) -> str:
     h = hashlib.sha256()
     # partition_bytes changes partitions, hence shard names: it is part of the pipeline dump
     # the astrai version is in: a release that changes how records are tokenized must not reuse old output
@@ -140,7 +142,7 @@ def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[
                 if sub.is_file():
                     h.update(sub.name.encode() + file_fingerprint(str(sub)).encode())
         else:
-            h.update(file_fingerprint(str(f)).encode())
+            h.update(((digests or {}).get(str(f)) or file_fingerprint(str(f))).encode())
     return h.hexdigest()
 
 

@@ -20,6 +20,7 @@ one batch (plus one row group or Arrow batch), whatever the input size.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,13 +108,18 @@ def _kind(p: Path) -> str:
     return kind
 
 
-def plan_partitions(files: list[Path], partition_bytes: int) -> list[Partition]:
+def plan_partitions(files: list[Path], partition_bytes: int, digests: Optional[dict] = None) -> list[Partition]:
+    """Partitions of the inputs. JSONL files are read once to find line starts; with `digests`, their
+    sha256 is taken in that same pass (digests[path] = hex), so the fingerprint needs no second read."""
     parts: list[Partition] = []
     for f in files:
         kind = _kind(f)
         if kind == "jsonl":
-            for start, end, line in _jsonl_ranges(f, partition_bytes):
+            h = hashlib.sha256() if digests is not None else None
+            for start, end, line in _jsonl_ranges(f, partition_bytes, h):
                 parts.append(Partition(len(parts), str(f), kind, start, end, line))
+            if h is not None:
+                digests[str(f)] = h.hexdigest()
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
@@ -136,31 +142,37 @@ def plan_partitions(files: list[Path], partition_bytes: int) -> list[Partition]:
     return parts
 
 
-def _jsonl_ranges(f: Path, partition_bytes: int):
-    """Byte ranges starting at line starts, with the line number of each start. Reads the file once."""
+def _jsonl_ranges(f: Path, partition_bytes: int, hasher=None):
+    """Byte ranges starting at line starts, with the line number of each start. Reads the file once
+    (every byte in order, fed to `hasher` if given)."""
     size = f.stat().st_size
     start, line = 0, 1
     with open(f, "rb") as fh:
         while start < size:
             target = start + partition_bytes
             if target >= size:
+                if hasher is not None:
+                    fh.seek(start)
+                    _count_newlines(fh, size - start, hasher)
                 yield start, size, line
                 return
             fh.seek(target)
             fh.readline()  # move to the next line start
             end = fh.tell()
             fh.seek(start)
-            line_count = _count_newlines(fh, end - start)
+            line_count = _count_newlines(fh, end - start, hasher)
             yield start, end, line
             start, line = end, line + line_count
 
 
-def _count_newlines(fh, n: int) -> int:
+def _count_newlines(fh, n: int, hasher=None) -> int:
     count = 0
     while n > 0:
         block = fh.read(min(n, 1 << 24))
         if not block:
             break
+        if hasher is not None:
+            hasher.update(block)
         count += block.count(b"\n")
         n -= len(block)
     return count
@@ -278,8 +290,6 @@ def _read_arrow(p: Partition) -> Iterator[Item]:
 
 def file_fingerprint(path: str) -> str:
     """Content hash of an input file (sha256), for the manifest fingerprint."""
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
