@@ -15,6 +15,7 @@ Sections (single output) or sources (one token sequence per named source) are bu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -93,7 +94,7 @@ class Processor:
         else:
             self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
 
-    @property
+    @cached_property
     def value_types(self) -> dict[str, tuple[str, bool]]:
         """Value column -> (value_type, one value per list item)."""
         out = {}
@@ -104,7 +105,7 @@ class Processor:
                                                                                           list_field is not None)
         return out
 
-    @property
+    @cached_property  # read per record on the hot path
     def has_labels(self) -> bool:
         """False for plain-text pretraining: every section trains all its tokens, so labels are omitted."""
         return any(s.template or s.action == "mask" for secs, _ in self.sources.values() for s in secs)
