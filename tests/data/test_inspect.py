@@ -315,6 +315,7 @@ def test_html_is_self_contained(tmp_path, capsys):
     code, _ = inspect(capsys, p, "-i", data, "-n", 8, "--format", "html", "-o", report)
     page = report.read_text()
     assert code == 0 and page.startswith("<!DOCTYPE html>")
+    assert ">example<" in page and ">.com<" in page  # record 7's URL is on the page, as token text
     assert not re.search(r"https?://", page)  # also the URL inside record 7's text
     assert not re.search(r"<link|<img|src=|@import|url\(", page)
     assert 'class="t tr' in page and "too_short" in page and "unknown_role" in page

@@ -35,26 +35,22 @@ def make(tmp_path, tok, strategy="bfd", n=60):
     return out
 
 
-def all_rows(out):
-    return [r for f in sorted(Path(out, "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
-
-
-def test_hf_datasets_reads_shards_directly(tmp_path, tiny_tokenizer):
+def test_hf_datasets_reads_shards_directly(tmp_path, tiny_tokenizer, read_rows):
     datasets = pytest.importorskip("datasets")
     out = make(tmp_path, tiny_tokenizer)
     files = sorted(str(f) for f in Path(out, "data").glob("*.parquet"))
     ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=str(tmp_path / "hf"))
-    rows = all_rows(out)
+    rows = read_rows(out)
     assert len(ds) == len(rows)
     assert ds[0]["input_ids"] == rows[0]["input_ids"] and ds[0]["labels"] == rows[0]["labels"]
     assert set(ds.column_names) == {"input_ids", "labels", "position_ids", "seq_lens"}
 
 
-def test_shard_dataset_and_collates(tmp_path, tiny_tokenizer):
+def test_shard_dataset_and_collates(tmp_path, tiny_tokenizer, read_rows):
     from astrai.data.load import ShardDataset, collate_packed, collate_padded
 
     out = make(tmp_path, tiny_tokenizer)
-    rows = all_rows(out)
+    rows = read_rows(out)
     ds = ShardDataset(out)
     assert len(ds) == len(rows)
     for i in (0, len(ds) - 1):
@@ -68,7 +64,14 @@ def test_shard_dataset_and_collates(tmp_path, tiny_tokenizer):
     assert packed["cu_seqlens"].tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
     assert packed["input_ids"].shape == (1, sum(lens))
     # first token of every document is never a target (no cross-document prediction)
-    assert all(packed["labels"][0, s].item() == -100 for s in packed["cu_seqlens"][:-1].tolist())
+    starts = packed["cu_seqlens"][:-1].tolist()
+    assert all(packed["labels"][0, s].item() == -100 for s in starts)
+    # chat documents open with a masked header: with every token trained, exactly the first ones are masked
+    trained = [{**r, "labels": r["input_ids"].clone()} for r in batch]
+    want = [i for r in batch for i in r["input_ids"].tolist()]
+    for s in starts:
+        want[s] = -100
+    assert collate_packed(trained)["labels"][0].tolist() == want
     pos = packed["position_ids"][0].tolist()
     assert all(pos[s] == 0 for s in packed["cu_seqlens"][:-1].tolist())
     padded = collate_padded(batch, pad_id=0)
@@ -78,9 +81,9 @@ def test_shard_dataset_and_collates(tmp_path, tiny_tokenizer):
     assert padded["input_ids"][0, : len(flat)].tolist() == flat
 
 
-def test_export_formats(tmp_path, tiny_tokenizer):
+def test_export_formats(tmp_path, tiny_tokenizer, read_rows):
     out = make(tmp_path, tiny_tokenizer, strategy="none")
-    rows = all_rows(out)
+    rows = read_rows(out)
     assert export(str(out), "parquet", str(tmp_path / "pq"), rows_per_shard=7) == len(rows)
     re_rows = [r for f in sorted((tmp_path / "pq").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert re_rows == rows and len(list((tmp_path / "pq").glob("*.parquet"))) == -(-len(rows) // 7)

