@@ -11,7 +11,9 @@ plus the facts that let `astrai run` chain stages without knowing them:
 - `code`: the modules whose source is the stage's code version (an edit reruns it);
 - `describe(options, base_dir, upstream)`: facts about the output it will produce, known before
   any work (data kind, packed or not, which tokenizer), given the descriptions of what it reads;
-  consumers check them with `check(options, upstream)` -> [(field, problem with its fix)];
+  consumers check them with `check(options, base_dir, upstream)` -> [(field, problem with its fix)];
+- `extra(options, base_dir)`: anything else the output depends on that the options only name
+  (e.g. the files of the tokenizer a pipeline names), added to the fingerprint;
 - `figures`: metric keys shown in the end-of-run table.
 
 NOTE: nothing here imports torch; a kind's run function imports what it needs when it runs.
@@ -40,7 +42,8 @@ class StageContext:
 
 
 Describe = Callable[[BaseModel, Path, Mapping[str, dict]], dict]
-Check = Callable[[BaseModel, Mapping[str, dict]], list[tuple[str, str]]]
+Check = Callable[[BaseModel, Path, Mapping[str, dict]], list[tuple[str, str]]]
+Extra = Callable[[BaseModel, Path], dict]
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class StageKind:
     code: tuple[str, ...] = ()
     describe: Optional[Describe] = None
     check: Optional[Check] = None
+    extra: Optional[Extra] = None
     figures: tuple[str, ...] = ()
 
 

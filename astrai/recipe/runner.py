@@ -72,7 +72,9 @@ class Runner:
             upstream[f] = {"stage": name, "fingerprint": state.get("fingerprint"), "output_id": state.get("output_id")}
         for f, value in sorted(stage.paths.items()):
             upstream[f] = {"path": value, "digest": fpr.path_digest(self._path(value))}
-        return fpr.stage_fingerprint(kind.name, fpr.code_version(tuple(kind.code)), options, files, upstream)
+        extra = kind.extra(stage.options, self.recipe.base_dir) if kind.extra else {}
+        return fpr.stage_fingerprint(kind.name, fpr.code_version(tuple(kind.code)), options, files,
+                                     {**upstream, **({"extra": extra} if extra else {})})
 
     def _path(self, value: str) -> Path:
         if value.startswith("package:"):

@@ -177,9 +177,10 @@ def _resolve(stages: list[StageSpec], order: list[str], kinds, base_dir: Path, p
                     ok = False
         desc: Optional[dict] = None
         if ok:
-            for f, message in (kind.check(s.options, upstream) if kind.check else []):
+            found = kind.check(s.options, base_dir, upstream) if kind.check else []
+            for f, message in found:
                 problem(("stages", s.name, f), message)
-            desc = describe_stage(kind, s.options, base_dir, upstream)
+            desc = None if found else describe_stage(kind, s.options, base_dir, upstream)
         described[s.name] = desc
         resolved.append(StageSpec(s.name, s.kind, s.index, s.options, refs, paths, desc or {}))
     return resolved

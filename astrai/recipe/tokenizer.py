@@ -179,3 +179,10 @@ def _write_json(path: Path, data: dict):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def run_tokenizer_stage(ctx) -> dict:
+    """The recipe entry: train on the stage's inputs (relative to the recipe) into its output dir."""
+    metrics = train_tokenizer(ctx.options, ctx.output, base_dir=ctx.base_dir)
+    ctx.log(f"vocabulary of {metrics['vocab_size']} from {metrics['records']} records ({metrics['chars']} chars)")
+    return metrics

@@ -87,7 +87,7 @@ def make_kinds(calls: Calls) -> dict:
         tok = upstream.get("tokenizer", {})
         return {"data_kind": opts.flavor, "packed": opts.packed, "tokenizer": tok.get("stage") or tok.get("path")}
 
-    def check_fit(opts, upstream):
+    def check_fit(opts, base_dir, upstream):
         data = upstream.get("data", {})
         out = []
         if data.get("data_kind") != "sft":
@@ -96,7 +96,7 @@ def make_kinds(calls: Calls) -> dict:
             out.append(("data", f"fit needs packed data; set packed: true in '{opts.data}'"))
         return out
 
-    def check_score(opts, upstream):
+    def check_score(opts, base_dir, upstream):
         if upstream["model"].get("tokenizer") != upstream["data"].get("tokenizer"):
             return [("data", f"'{opts.data}' was made with another tokenizer than '{opts.model}'")]
         return []

@@ -1,0 +1,33 @@
+"""The stage kinds this package defines, as the recipe runner sees them (kinds.StageKind).
+
+Train, eval and generate join here as one entry each when their stages land; `astrai run` knows
+nothing else about a stage than its entry.
+"""
+
+from __future__ import annotations
+
+from astrai.recipe.kinds import StageKind
+from astrai.recipe.preprocess_stage import (PreprocessOptions, check_preprocess, describe_preprocess,
+                                            preprocess_extra, run_preprocess_stage)
+from astrai.recipe.tokenizer import TokenizerOptions, run_tokenizer_stage
+
+
+def _describe_tokenizer(options, base_dir, upstream) -> dict:
+    return {"chat_template": options.chat_template}
+
+
+TOKENIZER = StageKind(
+    "tokenizer", TokenizerOptions, run_tokenizer_stage, produces="tokenizer", files=("inputs",),
+    code=("astrai.recipe.tokenizer", "astrai.data.read"), describe=_describe_tokenizer,
+    figures=("vocab_size", "records"))
+
+PREPROCESS = StageKind(
+    "preprocess", PreprocessOptions, run_preprocess_stage, produces="data",
+    refs={"tokenizer": ("tokenizer",)}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
+    code=("astrai.data", "astrai.config", "astrai.schema", "astrai.recipe.preprocess_stage"),
+    describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
+    figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"))
+
+
+def builtin_kinds() -> dict[str, StageKind]:
+    return {k.name: k for k in (TOKENIZER, PREPROCESS)}
