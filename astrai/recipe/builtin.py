@@ -29,5 +29,32 @@ PREPROCESS = StageKind(
     figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"))
 
 
+def _train_kind() -> StageKind:
+    from astrai.recipe.train_stage import TrainStageOptions, check_train, describe_train, run_train_stage
+
+    return StageKind(
+        "train", TrainStageOptions, run_train_stage, produces="model",
+        refs={"data": ("data",), "val_data": ("data",)},
+        code=("astrai.train", "astrai.model", "astrai.recipe.train_stage"), describe=describe_train,
+        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop"))
+
+
+def _eval_kind() -> StageKind:
+    from astrai.recipe.eval_stage import EvalStageOptions, check_eval, run_eval_stage
+
+    return StageKind(
+        "eval", EvalStageOptions, run_eval_stage, produces="report",
+        refs={"model": ("model",), "data": ("data",)}, path_refs=frozenset({"model"}),
+        code=("astrai.infer", "astrai.model", "astrai.recipe.eval_stage"), check=check_eval,
+        figures=("perplexity", "loss", "samples"))
+
+
 def builtin_kinds() -> dict[str, StageKind]:
-    return {k.name: k for k in (TOKENIZER, PREPROCESS)}
+    kinds = [TOKENIZER, PREPROCESS]
+    for make, package in ((_train_kind, "astrai.train"), (_eval_kind, "astrai.infer")):
+        try:
+            kinds.append(make())
+        except ModuleNotFoundError as e:  # that stage's package is not part of this install
+            if not (e.name or "").startswith(package):
+                raise
+    return {k.name: k for k in kinds}

@@ -32,6 +32,10 @@ LOSS_PNG = "loss.png"
 LOCK = ".lock"
 
 
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked (another run holds it, or a folder is not ours)."""
+
+
 def write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -83,7 +87,7 @@ class StageDir:
         """Remove an output the runner made for other options (stage.json is the proof it is ours)."""
         if self.state() is None:
             if self.output.exists() and any(self.output.iterdir()):
-                raise RuntimeError(f"{self.output} exists but has no {STATE} beside it: it was not made by "
+                raise RunDirError(f"{self.output} exists but has no {STATE} beside it: it was not made by "
                                    f"astrai run; move it away or choose another run_dir")
             return
         if self.output.exists():
@@ -125,14 +129,14 @@ class RunLock:
             except FileExistsError:
                 owner = self._owner()
                 if owner is not None and _alive(owner):
-                    raise RuntimeError(f"{self.path.parent} is in use by another `astrai run` (pid {owner}); "
+                    raise RunDirError(f"{self.path.parent} is in use by another `astrai run` (pid {owner}); "
                                        f"wait for it or use another run_dir") from None
                 self.path.unlink(missing_ok=True)  # its process is gone: the lock is stale
                 continue
             with os.fdopen(fd, "w") as fh:
                 fh.write(str(os.getpid()))
             return self
-        raise RuntimeError(f"cannot take the lock {self.path}")
+        raise RunDirError(f"cannot take the lock {self.path}")
 
     def __exit__(self, *exc):
         if self._owner() == os.getpid():
