@@ -30,11 +30,13 @@ PREPROCESS = StageKind(
 
 
 def _train_kind() -> StageKind:
+    from astrai.model.config import PRESETS
     from astrai.recipe.train_stage import TrainStageOptions, check_train, describe_train, run_train_stage
 
     return StageKind(
         "train", TrainStageOptions, run_train_stage, produces="model",
-        refs={"data": ("data",), "val_data": ("data",)},
+        refs={"data": ("data",), "val_data": ("data",), "model": ("model",)}, path_refs=frozenset({"model"}),
+        literals={"model": tuple(PRESETS)},
         code=("astrai.train", "astrai.model", "astrai.recipe.train_stage"), describe=describe_train,
         check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop"))
 
@@ -50,11 +52,11 @@ def _eval_kind() -> StageKind:
 
 
 def builtin_kinds() -> dict[str, StageKind]:
+    import importlib.util
+
     kinds = [TOKENIZER, PREPROCESS]
-    for make, package in ((_train_kind, "astrai.train"), (_eval_kind, "astrai.infer")):
-        try:
+    for make, packages in ((_train_kind, ("astrai.train", "astrai.model")),
+                           (_eval_kind, ("astrai.infer", "astrai.model"))):
+        if all(importlib.util.find_spec(p) is not None for p in packages):  # part of this install
             kinds.append(make())
-        except ModuleNotFoundError as e:  # that stage's package is not part of this install
-            if not (e.name or "").startswith(package):
-                raise
     return {k.name: k for k in kinds}

@@ -6,7 +6,8 @@ plus the facts that let `astrai run` chain stages without knowing them:
 - `produces`: what its output is ("tokenizer", "data", "model", "report"), so a reference can be
   refused when it points at the wrong sort of stage (`data: tokenizer`);
 - `refs`: option fields that name an earlier stage, each with the outputs it accepts; a field in
-  `path_refs` may instead hold a path (a tokenizer directory, `package:NAME`);
+  `path_refs` may instead hold a path (a tokenizer directory, `package:NAME`), and one in
+  `literals` one of the listed plain values (a model size preset);
 - `files`: option fields holding input paths or globs (checked to exist, hashed into the fingerprint);
 - `code`: the modules whose source is the stage's code version (an edit reruns it);
 - `describe(options, base_dir, upstream)`: facts about the output it will produce, known before
@@ -54,6 +55,7 @@ class StageKind:
     produces: str
     refs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     path_refs: frozenset = frozenset()
+    literals: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     files: tuple[str, ...] = ()
     code: tuple[str, ...] = ()
     describe: Optional[Describe] = None

@@ -132,12 +132,14 @@ def _resolve(stages: list[StageSpec], order: list[str], kinds, base_dir: Path, p
     described: dict[str, Optional[dict]] = {}  # None: the stage has a problem
     for s in stages:
         kind = kinds[s.kind]
-        refs, paths, upstream, ok = {}, {}, {}, True
+        refs, paths, upstream, ok, upstream_ok = {}, {}, {}, True, True
         for f, accepted in kind.refs.items():
             value = getattr(s.options, f, None)
             loc = ("stages", s.name, f)
             if value is None:
                 continue
+            if value in kind.literals.get(f, ()) and value not in by_name:
+                continue  # a plain value, not a reference (e.g. model: tiny)
             if value in order and value not in by_name:  # that stage has its own problem: no cascade
                 ok = False
             elif value in by_name:
@@ -156,13 +158,15 @@ def _resolve(stages: list[StageSpec], order: list[str], kinds, base_dir: Path, p
                     ok = False
                 else:
                     refs[f] = value
-                    if described.get(value) is None:  # that stage has its own problem: no cascade
-                        ok = False
+                    if described.get(value) is None:  # it has its own problem: check with what is known
+                        upstream_ok = False
                     upstream[f] = {**(described.get(value) or {}), "stage": value}
             elif f in kind.path_refs:
                 where = _path_problem(value, base_dir)
                 if where:
-                    problem(loc, f"'{value}' is neither a stage ({', '.join(order)}) nor {where}")
+                    also = kind.literals.get(f)
+                    problem(loc, f"'{value}' is neither a stage ({', '.join(order)})"
+                                 + (f", one of {', '.join(also)}," if also else "") + f" nor {where}")
                     ok = False
                 paths[f] = value
                 upstream[f] = {"produces": accepted[0], "path": _path_identity(value, base_dir)}
@@ -180,7 +184,7 @@ def _resolve(stages: list[StageSpec], order: list[str], kinds, base_dir: Path, p
             found = kind.check(s.options, base_dir, upstream) if kind.check else []
             for f, message in found:
                 problem(("stages", s.name, f), message)
-            desc = None if found else describe_stage(kind, s.options, base_dir, upstream)
+            desc = None if found or not upstream_ok else describe_stage(kind, s.options, base_dir, upstream)
         described[s.name] = desc
         resolved.append(StageSpec(s.name, s.kind, s.index, s.options, refs, paths, desc or {}))
     return resolved

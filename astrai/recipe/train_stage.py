@@ -28,6 +28,8 @@ RECIPE_SET = ("output",)  # fields the recipe fills in
 
 class TrainStageOptions(TrainOptions):
     data: str = Field(description="the preprocess stage to train on (its train/ split)")
+    model: str = Field("tiny", description="a size preset (tiny, small, ...), an earlier train stage (continue "
+                                           "from its final checkpoint), a config.json or a checkpoint dir")
     output: str = Field("", description="set by the recipe: RUN/<stage>/output")
     val_data: Optional[str] = Field(
         None, description="a preprocess stage whose val/ split validates; default: the data stage's own val/")
@@ -58,6 +60,10 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
     if options.eval_every is not None and not val.get("held_out"):
         problems.append(("eval_every", f"validation needs held-out data: set holdout (e.g. 0.1) in stage "
                                        f"'{options.val_data or options.data}', or remove eval_every"))
+    base = (upstream.get("model") or {}).get("tokenizer")
+    if base and data.get("tokenizer") and base != data["tokenizer"]:
+        problems.append(("data", f"'{options.data}' was preprocessed with tokenizer {data['tokenizer']}, but "
+                                 f"'{options.model}' was trained with {base}; preprocess with the model's tokenizer"))
     if options.val_data and (upstream.get("val_data") or {}).get("tokenizer") != data.get("tokenizer"):
         problems.append(("val_data", f"'{options.val_data}' was preprocessed with another tokenizer than "
                                      f"'{options.data}'; use the same tokenizer for both"))
@@ -77,9 +83,9 @@ def run_train_stage(ctx) -> dict:
     train_dir, own_val = data_dirs(ctx.inputs["data"])
     val_dir = data_dirs(ctx.inputs["val_data"])[1] if "val_data" in ctx.inputs else own_val
     fields = {k: v for k, v in opts.model_dump().items() if k not in ("data", "output", "val_data")}
-    model = fields["model"]
-    if model and not model.startswith("package:") and (ctx.base_dir / model).exists():
-        fields["model"] = str(ctx.base_dir / model)  # a config.json or checkpoint path, relative to the recipe
+    if "model" in ctx.inputs:  # an earlier train stage (its final checkpoint) or a path
+        model = Path(ctx.inputs["model"])
+        fields["model"] = str(model / "final" if (model / "final" / "config.json").exists() else model)
     options = TrainOptions(**fields, data=str(train_dir), output=str(ctx.output),
                            val_data=str(val_dir) if val_dir else None)
     metrics_file = ctx.output / "metrics.jsonl"
