@@ -12,7 +12,9 @@ plus the facts that let `astrai run` chain stages without knowing them:
 - `code`: the modules whose source is the stage's code version (an edit reruns it);
 - `describe(options, base_dir, upstream)`: facts about the output it will produce, known before
   any work (data kind, packed or not, which tokenizer), given the descriptions of what it reads;
-  consumers check them with `check(options, base_dir, upstream)` -> [(field, problem with its fix)];
+  consumers check them with `check(options, base_dir, upstream)` -> [(field, problem with its fix)]
+  (an upstream stage with a problem of its own is described only by {"stage": name}: a check
+  compares only what it finds, so every problem is still reported in one go);
 - `extra(options, base_dir)`: anything else the output depends on that the options only name
   (e.g. the files of the tokenizer a pipeline names), added to the fingerprint;
 - `figures`: metric keys shown in the end-of-run table.
