@@ -84,13 +84,15 @@ stages:
     assert [line for _, line, _ in probs] == sorted(line for _, line, _ in probs)
 
 
-def test_consumer_checks_what_it_reads(recipe_file, kinds, load_recipe):
+def test_consumer_checks_what_it_reads(recipe_file, kinds, load_recipe, tmp_path):
     dpo = GOOD.replace("inputs: [in.txt], tokenizer", "inputs: [in.txt], flavor: dpo, packed: false, tokenizer")
     probs = problems_of(recipe_file(dpo), kinds, load_recipe)
     assert [(k, line) for k, line, _ in probs] == [("stages.fit.data", 6), ("stages.fit.data", 6)]
     assert "makes dpo data" in probs[0][2] and "needs packed data" in probs[1][2]
 
-    other_tok = GOOD + "  data2: {kind: make, inputs: [in.txt]}\n  score2: {kind: score, model: fit, data: data2}\n"
+    (tmp_path / "other_tok").mkdir()
+    other_tok = GOOD + ("  data2: {kind: make, inputs: [in.txt], tokenizer: other_tok}\n"
+                        "  score2: {kind: score, model: fit, data: data2}\n")
     [(key, line, msg)] = problems_of(recipe_file(other_tok), kinds, load_recipe)
     assert key == "stages.score2.data" and line == 9 and "another tokenizer" in msg
 
