@@ -68,7 +68,7 @@ def run_eval_stage(ctx) -> dict:
     class _Log:  # run_eval writes its summary lines to a stream: send them to the stage log
         def write(self, text: str):
             for line in text.rstrip("\n").splitlines():
-                ctx.log(line)
+                ctx.log(line[len("[eval] "):] if line.startswith("[eval] ") else line)
 
     result = run_eval(options, out=_Log())
     return {key: result.get(key) for key in ("perplexity", "loss", "trained_tokens", "documents")} | {
