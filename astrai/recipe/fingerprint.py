@@ -33,6 +33,10 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def path_digest(path: Path, skip: Iterable[str] = ("__pycache__",)) -> str:
     """A file's sha256, or for a directory the sha256 over its files' relative names and contents."""
     path = Path(path)
