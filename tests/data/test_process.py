@@ -202,7 +202,7 @@ def hf_chatml():
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(TOK_DIR)
     hf.add_special_tokens({"additional_special_tokens": CHATML})
-    hf.chat_template = open(os.path.join(REPO, "pipelines", "templates", "chatml.jinja"), encoding="utf-8").read()
+    hf.chat_template = open(os.path.join(REPO, "astrai", "templates", "chatml.jinja"), encoding="utf-8").read()
     return hf
 
 
