@@ -23,6 +23,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from astrai.schema import SOURCE_TOKEN_COLUMNS, TOKEN_COLUMNS, ValueType, source_column, value_column
+
 # ----------------------------------------------------------------------------------------------
 # Errors
 
@@ -76,7 +78,7 @@ class Section(_StrictModel):
         None, description="template sections: per-message boolean field; true = train, false = mask (overrides role rule)"
     )
     separator: str = Field("", description="non-template sections: text placed before this section's text")
-    value_type: Literal["float", "float_list", "int", "string", "bool"] = Field(
+    value_type: ValueType = Field(
         "float", description="value sections: the column type (float is float32: a reward of 0.8 stays 0.8)"
     )
 
@@ -279,9 +281,6 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     return out
 
 
-TOKEN_COLUMNS = ("input_ids", "labels", "position_ids", "seq_lens")
-
-
 def _value_column_problems(sections: Any, sources: Any) -> list[tuple[tuple, str]]:
     """A value's column is named after its field (single output) or its source (multi-output); the
     writer would silently replace a token column, or an earlier value of the same source, with it."""
@@ -291,18 +290,19 @@ def _value_column_problems(sections: Any, sources: Any) -> list[tuple[tuple, str
 
     out = []
     for i, s in values(sections):
-        if s.get("field") in TOKEN_COLUMNS:
+        fld = s.get("field")
+        if isinstance(fld, str) and value_column("", fld) in TOKEN_COLUMNS:
             out.append((("input", "sections", i, "field"), f"a value is written to a column named after its field, "
                                                            f"and '{s['field']}' is a token column of the output; "
                                                            f"rename the field in the records"))
     if isinstance(sources, dict):
-        taken = {f"{name}_{col}" for name in sources for col in ("input_ids", "labels")}
+        taken = {source_column(name, col) for name in sources for col in SOURCE_TOKEN_COLUMNS}
         for name, src in sources.items():
             vals = values(_get(src, "sections"))
             for i, _ in vals[1:]:
                 out.append((("input", "sources", name, "sections", i, "field"),
                             f"a source writes one value column (named '{name}'); put each value in its own source"))
-            if vals and name in taken:
+            if vals and value_column(name, "") in taken:
                 out.append((("input", "sources", name), f"source '{name}' writes a value column named '{name}', "
                                                         f"which is a token column of another source; rename it"))
     return out

@@ -51,9 +51,9 @@ from typing import Optional
 import numpy as np
 
 from astrai.data.errors import RecordError
+from astrai.schema import IGNORE_INDEX
 from astrai.data.template import REASONING_FIELDS, TemplateRaised
 
-IGNORE = -100
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 _THINK_RE = re.compile(r"(\s*</?think>\s*)")
 
@@ -418,7 +418,7 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
                  end_of_turn: str) -> np.ndarray:
     """Labels for the tokens of chat.text (ids with their character spans)."""
     n = len(ids)
-    labels = np.full(n, IGNORE, dtype=np.int32)
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int32)
     if n == 0:
         return labels
     text = chat.text

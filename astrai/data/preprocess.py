@@ -41,6 +41,7 @@ from astrai.data.process import Doc, Filtered, Processor, Seq
 from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_partitions, read_partition
 from astrai.data.template import resolve_template
 from astrai.data.tokenizer import load_tokenizer
+from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, source_column
 from astrai.data.write import (
     ShardWriter, atomic_write_bytes, atomic_write_text, concat, list_array, nested_list_array, remove_stale_tmp,
     rows_columns, value_array,
@@ -254,7 +255,7 @@ class _Tally:
         idx = np.searchsorted(HIST_EDGES, len(seq))
         self.hist[f"<={HIST_EDGES[idx]}" if idx < len(HIST_EDGES) else f">{HIST_EDGES[-1]}"] += 1
         counts = np.bincount(seq.token_msg + 1, minlength=len(seq.roles) + 1)
-        trained = (np.bincount(seq.token_msg + 1, weights=(seq.labels != -100), minlength=len(seq.roles) + 1)
+        trained = (np.bincount(seq.token_msg + 1, weights=(seq.labels != IGNORE_INDEX), minlength=len(seq.roles) + 1)
                    if seq.labels is not None else counts)
         # index 0 holds tokens outside any message: chat template text (headers, end-of-turn), or plain text
         for i, role in enumerate(["template" if seq.roles else "text"] + seq.roles):
@@ -425,15 +426,15 @@ def _multi_table(docs: list[Doc], proc: Processor):
             inner = [s for d in docs for s in d.seqs[name]]
             lens = np.array([len(s) for s in inner], dtype=np.int64)
             counts = np.array([len(d.seqs[name]) for d in docs], dtype=np.int64)
-            cols[f"{name}_input_ids"] = nested_list_array(concat([s.input_ids for s in inner]), lens, counts)
+            cols[source_column(name, INPUT_IDS)] = nested_list_array(concat([s.input_ids for s in inner]), lens, counts)
             if trains:
-                cols[f"{name}_labels"] = nested_list_array(concat([s.labels for s in inner]), lens, counts)
+                cols[source_column(name, LABELS)] = nested_list_array(concat([s.labels for s in inner]), lens, counts)
         else:
             seqs = [d.seqs[name] for d in docs]
             lens = np.array([len(s) for s in seqs], dtype=np.int64)
-            cols[f"{name}_input_ids"] = list_array(concat([s.input_ids for s in seqs]), lens)
+            cols[source_column(name, INPUT_IDS)] = list_array(concat([s.input_ids for s in seqs]), lens)
             if trains:
-                cols[f"{name}_labels"] = list_array(concat([s.labels for s in seqs]), lens)
+                cols[source_column(name, LABELS)] = list_array(concat([s.labels for s in seqs]), lens)
     for key in sorted({k for d in docs for k in d.values}):
         cols[key] = value_array([d.values.get(key) for d in docs], *proc.value_types[key])
     return pa.table(cols)
@@ -561,12 +562,12 @@ def _write_packed_shard(arg):
     for j in range(len(pparts)):
         t = table(int(pparts[j]))
         if has_labels is None:
-            has_labels = "labels" in t.column_names
+            has_labels = LABELS in t.column_names
         row = int(plocal[j])
         s, n = int(pstart[j]), int(plen[j])
-        ids_out.append(_list_slice(t.column("input_ids"), row, s, n))
+        ids_out.append(_list_slice(t.column(INPUT_IDS), row, s, n))
         if has_labels:
-            lab_out.append(_list_slice(t.column("labels"), row, s, n))
+            lab_out.append(_list_slice(t.column(LABELS), row, s, n))
     cols = rows_columns(ids_out, lab_out if has_labels else None, plen, boffs, o.position_ids_mode)
     w = ShardWriter(Path(path), o.row_group_rows)
     try:

@@ -23,10 +23,11 @@ import numpy as np
 from astrai.config import Pipeline, Section
 from astrai.data.errors import RecordError
 from astrai.data.mask import (
-    IGNORE, RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,
+    RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,
 )
 from astrai.data.template import ChatTemplate, resolve_template
 from astrai.data.tokenizer import Tokenizer, with_added_tokens
+from astrai.schema import IGNORE_INDEX, value_column
 
 ITEM = "$item"
 
@@ -46,7 +47,7 @@ class Seq:
 
     @property
     def trained(self) -> int:
-        return len(self.input_ids) if self.labels is None else int((self.labels != IGNORE).sum())
+        return len(self.input_ids) if self.labels is None else int((self.labels != IGNORE_INDEX).sum())
 
 
 @dataclass
@@ -101,8 +102,8 @@ class Processor:
         for name, (secs, list_field) in self.sources.items():
             for s in secs:
                 if s.action == "value":
-                    out[name or (s.field if isinstance(s.field, str) else s.field[0])] = (s.value_type,
-                                                                                          list_field is not None)
+                    fld = s.field if isinstance(s.field, str) else s.field[0]
+                    out[value_column(name, fld)] = (s.value_type, list_field is not None)
         return out
 
     @cached_property  # read per record on the hot path
@@ -195,7 +196,7 @@ class Processor:
         for s in sections:
             if s.action == "value":
                 fld = s.field if isinstance(s.field, str) else s.field[0]
-                values[source or fld] = _value(_field(rec, fld), s.value_type, fld)
+                values[value_column(source, fld)] = _value(_field(rec, fld), s.value_type, fld)
                 continue
             if s.template:
                 msgs, n_prompt = self._messages(rec, s)
@@ -308,13 +309,13 @@ class Processor:
                     labels = label_tokens(part.chat, ids, spans, self.tok.special_ids,
                                           self.p.preprocessing.end_of_turn)
                 else:
-                    labels = np.full(len(ids), IGNORE, dtype=np.int32)
+                    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
                 tm = message_of_tokens(part.chat, spans)
                 tm[tm >= 0] += len(roles)
                 msg_l.append(tm)
                 roles.extend(part.roles)
             else:
-                labels = ids.copy() if part.train else np.full(len(ids), IGNORE, dtype=np.int32)
+                labels = ids.copy() if part.train else np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
                 msg_l.append(np.full(len(ids), -1, dtype=np.int32))
             ids_l.append(ids)
             lab_l.append(labels)
@@ -336,7 +337,7 @@ class Processor:
 def _check_shared_prompt(chosen: Seq, rejected: Seq):
     """DPO: the tokens before the first trained token must be the same in chosen and rejected."""
     def prompt(s: Seq) -> np.ndarray:
-        trained = np.flatnonzero(s.labels != IGNORE) if s.labels is not None else np.array([0])
+        trained = np.flatnonzero(s.labels != IGNORE_INDEX) if s.labels is not None else np.array([0])
         return s.input_ids[: trained[0] if len(trained) else len(s.input_ids)]
 
     pc, pr = prompt(chosen), prompt(rejected)

@@ -25,7 +25,8 @@ import numpy as np
 
 from astrai.data.errors import InputError, RecordError
 from astrai.data.inspect.tokens import TokenText
-from astrai.data.inspect.views import IGNORE, Entry, Report
+from astrai.data.inspect.views import Entry, Report
+from astrai.schema import IGNORE_INDEX
 
 
 def records_report(path: str, inputs: Optional[list[str]], wanted: list[int], overrides: list[str],
@@ -191,7 +192,7 @@ def _fill_doc(e: Entry, doc, proc, pipeline, tt: TokenText):
             continue  # a value-only source (rewards) has no tokens: its values are shown with the record
         for j, s in enumerate(seq) if isinstance(seq, list) else [(None, seq)]:
             n = len(s)
-            trained = np.ones(n, bool) if s.labels is None else np.asarray(s.labels) != IGNORE
+            trained = np.ones(n, bool) if s.labels is None else np.asarray(s.labels) != IGNORE_INDEX
             pos = None if mode == "none" else np.arange(n, dtype=np.int64)
             e.seqs.append(tt.view(s.input_ids, trained, pos, np.zeros(n, np.int64), msg=np.asarray(s.token_msg),
                                   roles=list(s.roles), truncated=int(s.truncated), source=name, item=j))
