@@ -169,7 +169,8 @@ class Pipeline(_StrictModel):
         return self
 
     @property
-    def packed_len(self) -> Optional[int]:
+    def bin_capacity(self) -> Optional[int]:
+        """The most tokens a packed row holds: max_packed_len, else max_seq_len (None: unbounded)."""
         return self.preprocessing.max_packed_len or self.preprocessing.max_seq_len
 
 

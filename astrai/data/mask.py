@@ -66,8 +66,8 @@ class Region:
     role: str
     trained: bool
     to_eot: bool = False  # the message's output continues after `end` (tool calls) up to the end-of-turn token
-    limit: int = -1  # where the next message's text starts (bound for to_eot); -1: end of text
-    data: tuple = ()  # to_eot: the strings inside the message's tool calls (see label_tokens)
+    next_text_start: int = -1  # to_eot: where the next message's text starts (bounds the search); -1: end of text
+    tool_call_strings: tuple = ()  # to_eot: the strings inside the message's tool calls (see label_tokens)
 
 
 @dataclass
@@ -442,7 +442,7 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
         labels[lo:hi] = ids[lo:hi]
         # where the next message's text starts; none (the end of the text): a token the tokenizer adds
         # after the text (EOS) may end the turn
-        limit = r.limit if 0 <= r.limit < len(text) else len(text) + 1
+        limit = r.next_text_start if 0 <= r.next_text_start < len(text) else len(text) + 1
         if r.to_eot:
             # tool calls: everything up to the next special token, which must come before the next message
             k = hi
@@ -457,7 +457,7 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
             # tool calls were rendered (something stands between text and end) and their data holds the
             # end token's text: the token may be inside the tool call, not after it
             # (an EOS added after the text has no text: it cannot be inside the data)
-            if eot_text and text[r.end:spans.span(k)[0]].strip() and any(eot_text in d for d in r.data):
+            if eot_text and text[r.end:spans.span(k)[0]].strip() and any(eot_text in d for d in r.tool_call_strings):
                 raise RecordError("span_unverified", f"message {r.msg} ({r.role}): its tool calls contain the special "
                                                      f"token text {eot_text!r}, so where its output ends is ambiguous")
             labels[hi:k] = ids[hi:k]

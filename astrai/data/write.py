@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from astrai.runtime import tmp_name
 from astrai.schema import INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS, arrow_value_type
 
 I32 = pa.list_(pa.int32())
@@ -88,7 +89,7 @@ class ShardWriter:
 
     def __init__(self, path: Path, row_group_rows: int):
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.tmp = tmp_name(self.path)
         self.row_group_rows = row_group_rows
         self._writer: Optional[pq.ParquetWriter] = None
         self.rows = 0
@@ -115,30 +116,3 @@ class ShardWriter:
             self._writer.close()
             self._writer = None
         self.tmp.unlink(missing_ok=True)
-
-
-def remove_stale_tmp(folder: Path):
-    """Temporary files from a killed run (never part of the output)."""
-    if folder.exists():
-        for f in folder.glob(".*.tmp-*"):
-            f.unlink(missing_ok=True)
-
-
-def atomic_write_text(path: Path, text: str):
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_bytes(path: Path, data: bytes):
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)

@@ -116,6 +116,20 @@ def test_records_json_agrees_with_parquet(tmp_path, capsys):
     assert stats["rejected_by_reason"] == {"unknown_role": 1, "invalid_json": 1}
 
 
+def test_record_statistics_are_the_ones_preprocess_writes(tmp_path):
+    # one computation (astrai.data.stats) for both: every record key of stats.json agrees, histogram
+    # and tokens per role included
+    from astrai.data.inspect.records import records_report
+
+    p, data = write_case(tmp_path)
+    out = tmp_path / "out"
+    run_preprocess(load_pipeline(p), [str(data)], str(out), base_dir=str(tmp_path), workers=1, log=lambda m: None)
+    written = json.loads((out / "stats.json").read_text())
+    shown = records_report(str(p), [str(data)], list(range(8)), [], None).stats
+    assert shown["tokens_per_role"] and shown["doc_length_histogram"] and shown["records_rejected"] == 2
+    assert shown == {k: written[k] for k in shown}
+
+
 def test_records_across_files_and_formats(tmp_path, capsys):
     import pyarrow as pa
 
