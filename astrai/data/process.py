@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from astrai.config import Pipeline, Section
+from astrai.config.pipeline import Pipeline, Section
 from astrai.data.errors import RecordError
 from astrai.data.mask import (
     RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,

