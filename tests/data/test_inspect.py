@@ -192,6 +192,7 @@ def test_plain_text_uses_markers_and_shows_reasons(tmp_path, capsys):
     assert "\x1b[30;42m" in colored and "⟦" not in colored
 
 
+@pytest.mark.slow
 def test_compare_marks_tokens_whose_label_differs(tmp_path, capsys):
     p, data = write_case(tmp_path)
     q, _ = write_case(tmp_path, PIPELINE.replace("user: mask", "user: train"), name="q.yaml")
@@ -228,6 +229,7 @@ def test_compare_two_templates_aligns_content(tmp_path, capsys):
 # a written dataset: bins, documents and position ids from the shards
 
 
+@pytest.mark.slow
 def test_dataset_json_agrees_with_shards(tmp_path, capsys):
     packed = PIPELINE.replace("packing_strategy: none", "packing_strategy: simple, max_packed_len: 160")
     p, data = write_case(tmp_path, packed)
@@ -255,6 +257,7 @@ def test_dataset_json_agrees_with_shards(tmp_path, capsys):
     assert "rejected: " in text and "[unknown_role]" in text  # excerpt of rejects.jsonl
 
 
+@pytest.mark.slow
 def test_dpo_records_and_dataset_agree(tmp_path, capsys):
     pipe = """\
         version: 1
@@ -291,6 +294,7 @@ def _rchar() -> int:
         return int(next(line for line in fh if line.startswith("rchar:")).split()[1])
 
 
+@pytest.mark.slow
 def test_a_few_records_of_a_large_file_read_little(tmp_path, capsys, monkeypatch):
     from astrai.data.process import Processor
 

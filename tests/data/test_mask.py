@@ -839,6 +839,7 @@ def _brute_labels(offsets, s, e):
     return out
 
 
+@pytest.mark.slow
 def test_token_spans_match_brute_force_offsets(base_tok):
     from astrai.data.mask import TokenSpans
 

@@ -283,6 +283,7 @@ run_preprocess(p, [sys.argv[2]], sys.argv[3], tokenizer=sys.argv[4], workers=int
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["simple", "bfd"])
 def test_sigkill_and_rerun_is_byte_identical(tmp_path, tiny_tokenizer, strategy):
     data = tmp_path / "d.jsonl"
@@ -334,6 +335,7 @@ pre.run_preprocess(p, [sys.argv[2]], sys.argv[3], tokenizer=sys.argv[4], workers
 """
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_run_instead_of_hanging(tmp_path, tiny_tokenizer):
     data = tmp_path / "d.jsonl"
     data.write_text(chat_records(200, seed=2))

@@ -59,6 +59,7 @@ def trained_runs(ids, labels):
     return runs + ([cur] if cur else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_real_chats_ids_and_labels(family, chats, base_tok):
     added, eot = FAMILIES[family]
