@@ -30,7 +30,7 @@ def run(args) -> int:
     from astrai.data.preprocess import run_preprocess
 
     cfg = load_any(args.pipeline, tuple(args.overrides))
-    if cfg.recipe is not None:
+    if cfg.is_recipe:
         print(f"error: {args.pipeline} is a recipe, not a pipeline (use astrai run)", file=sys.stderr)
         return 1
     t0 = time.time()

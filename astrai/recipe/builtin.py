@@ -1,7 +1,7 @@
-"""The stage kinds this package defines, as the recipe runner sees them (kinds.StageKind).
+"""The recipe facts (kinds.StageKind) of the stages, named by the stage registry's `recipe_kind`.
 
-Train, eval and generate join here as one entry each when their stages land; `astrai run` knows
-nothing else about a stage than its entry.
+`astrai run` knows nothing about a stage but its registry entry (astrai.config.stages) and the
+StageKind that entry names; a new stage adds one of each.
 """
 
 from __future__ import annotations
@@ -62,12 +62,35 @@ def _eval_kind() -> StageKind:
         figures=("perplexity", "loss", "samples"))
 
 
-def builtin_kinds() -> dict[str, StageKind]:
+def train_kind():
+    """The train stage's recipe facts, or None where astrai.train is not part of the install."""
+    return _train_kind() if _installed("astrai.train", "astrai.model") else None
+
+
+def eval_kind():
+    return _eval_kind() if _installed("astrai.infer", "astrai.model") else None
+
+
+def _installed(*packages) -> bool:
     import importlib.util
 
-    kinds = [TOKENIZER, PREPROCESS]
-    for make, packages in ((_train_kind, ("astrai.train", "astrai.model")),
-                           (_eval_kind, ("astrai.infer", "astrai.model"))):
-        if all(importlib.util.find_spec(p) is not None for p in packages):  # part of this install
-            kinds.append(make())
-    return {k.name: k for k in kinds}
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
+def recipe_kinds() -> dict[str, StageKind]:
+    """Every stage kind a `stages:` recipe may use: the registry entries (astrai.config.stages) that
+    name their recipe facts, each a StageKind or a function returning one (None: not installed)."""
+    import importlib
+
+    from astrai.config.stages import STAGES
+
+    kinds = {}
+    for stage in STAGES.values():
+        if not stage.recipe_kind:
+            continue
+        module, _, attr = stage.recipe_kind.partition(":")
+        kind = getattr(importlib.import_module(module), attr)
+        kind = kind if isinstance(kind, StageKind) else kind()
+        if kind is not None:
+            kinds[stage.name] = kind
+    return kinds

@@ -14,12 +14,17 @@ from typing import Optional
 from astrai.config import ConfigError, apply_overrides, load_yaml
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `astrai run` besides --set (which every verb of the CLI gets)."""
     parser.add_argument("recipe", help="recipe YAML (stages in order; see recipes/)")
     parser.add_argument("--from", dest="from_stage", metavar="NAME",
                         help="run NAME and every stage after it (the ones before must be done and current)")
     parser.add_argument("--only", metavar="NAME", help="run only stage NAME (what it reads must be done and current)")
     parser.add_argument("--force", action="store_true", help="rerun the selected stages even when up to date")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_arguments(parser)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.KEY=VALUE",
                         help="override a stage option (typed as YAML), e.g. --set train.lr=1e-3; repeatable")
 
@@ -27,10 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_recipe_spec(path: str, overrides=(), kinds: Optional[dict] = None):
     """Load, override (`stage.key=value`) and fully validate a recipe; raise ConfigError."""
     from astrai.config import Problem
-    from astrai.recipe.builtin import builtin_kinds
+    from astrai.recipe.builtin import recipe_kinds
     from astrai.recipe.spec import parse_recipe, stage_overrides
 
-    kinds = kinds if kinds is not None else builtin_kinds()
+    kinds = kinds if kinds is not None else recipe_kinds()
     data, marks = load_yaml(path)
     if isinstance(data, dict) and overrides:
         names = list(data.get("stages") or {}) if isinstance(data.get("stages"), dict) else []

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from astrai.config import STAGE_OUTPUT as OUTPUT
+
 STATE = "stage.json"
 LOG = "log.txt"
 METRICS = "metrics.json"
-OUTPUT = "output"
 SUMMARY = "summary.json"
 LOSS_PNG = "loss.png"
 LOCK = ".lock"

@@ -26,7 +26,8 @@ from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel
 
-from astrai.config import ConfigError, Problem, validate_data
+from astrai.config import ConfigError, Problem, run_dir_of, validate_data
+from astrai.config.loading import find_mark
 from astrai.recipe.kinds import StageKind, describe_stage
 
 TOP_KEYS = ("version", "name", "run_dir", "stages")
@@ -69,7 +70,7 @@ def parse_recipe(data: Any, marks: dict, file: str, kinds: Mapping[str, StageKin
     problems: list[Problem] = []
 
     def problem(loc: tuple, message: str, key: bool = False):
-        line, col = _mark(marks, loc, key)
+        line, col = find_mark(marks, loc, key)
         problems.append(Problem(".".join(str(p) for p in loc), message, line, col))
 
     if not isinstance(data, dict):
@@ -81,7 +82,7 @@ def parse_recipe(data: Any, marks: dict, file: str, kinds: Mapping[str, StageKin
     if data.get("version") != 1:
         problem(("version",), f"version must be 1 (got {data.get('version')!r})")
     name = data.get("name") or Path(file).stem
-    run_dir = base_dir / str(data.get("run_dir") or Path("runs") / str(name))
+    run_dir = run_dir_of(file, data)
     raw = data.get("stages")
     if not isinstance(raw, dict) or not raw:
         problem(("stages",), "stages must be a mapping of stage name -> options, in run order")
@@ -165,8 +166,10 @@ def _resolve(stages: list[StageSpec], order: list[str], kinds, base_dir: Path, p
                 where = _path_problem(value, base_dir)
                 if where:
                     also = kind.literals.get(f)
+                    guess = difflib.get_close_matches(str(value), order, n=1, cutoff=0.6)
                     problem(loc, f"'{value}' is neither a stage ({', '.join(order)})"
-                                 + (f", one of {', '.join(also)}," if also else "") + f" nor {where}")
+                                 + (f", one of {', '.join(also)}," if also else "") + f" nor {where}"
+                                 + (f" (did you mean '{guess[0]}'?)" if guess else ""))
                     ok = False
                 paths[f] = value
                 upstream[f] = {"produces": accepted[0], "path": _path_identity(value, base_dir)}
@@ -242,12 +245,3 @@ def _strip(key: tuple, prefix: tuple) -> Optional[tuple]:
         rest = _strip(key[1:], prefix)
         return None if rest is None else ("<key>",) + rest
     return key[len(prefix):] if key[:len(prefix)] == prefix else None
-
-
-def _mark(marks: dict, loc: tuple, key: bool = False):
-    if key and ("<key>",) + loc in marks:
-        return marks[("<key>",) + loc]
-    for n in range(len(loc), -1, -1):
-        if loc[:n] in marks:
-            return marks[loc[:n]]
-    return (None, None)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from astrai.config import ConfigError, apply_overrides, load_yaml
-from astrai.recipe.builtin import builtin_kinds
+from astrai.recipe.builtin import recipe_kinds
 from astrai.recipe.preprocess_stage import data_dirs, is_held_out
 from astrai.recipe.runner import Runner
 from astrai.recipe.spec import parse_recipe, stage_overrides
@@ -44,7 +44,7 @@ def recipe(tmp_path):
 
 
 def run(path, overrides=(), **flags):
-    kinds = builtin_kinds()
+    kinds = recipe_kinds()
     data, marks = load_yaml(path)
     apply_overrides(data, stage_overrides(overrides, list(data["stages"])))
     return Runner(parse_recipe(data, marks, str(path), kinds), kinds, log=lambda m: None).run(**flags)
