@@ -23,6 +23,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from astrai import yaml_bounded
+
 # ----------------------------------------------------------------------------------------------
 # Errors
 
@@ -276,7 +278,18 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     lo, hi = _get(pp, "min_chars"), _get(pp, "max_chars")
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         out.append((("preprocessing", "min_chars"), "min_chars is larger than max_chars: no record could pass"))
+    if mpl is not None and strategy == "none":
+        out.append((("preprocessing", "max_packed_len"), "max_packed_len has no effect with packing_strategy: none; "
+                                                         "set a packing_strategy (simple, bfd, bfd_split) or remove it"))
+    out += _tokenizer_problems(data)
     return out
+
+
+def _tokenizer_problems(data: Any, at: tuple = ("tokenizer",)) -> list[tuple[tuple, str]]:
+    from astrai.data.tokenizer import package_spec_problem  # stdlib-only module: config stays light
+
+    problem = package_spec_problem(_get(data, *at))
+    return [(at, problem)] if problem else []
 
 
 TOKEN_COLUMNS = ("input_ids", "labels", "position_ids", "seq_lens")
@@ -313,7 +326,7 @@ def recipe_combination_problems(data: Any) -> list[tuple[tuple, str]]:
         ((s,), f"stage '{s}' is not available in this version of astrai yet; remove it from the recipe")
         for s in NOT_LANDED_STAGES
         if _get(data, s) is not None
-    ]
+    ] + _tokenizer_problems(data, ("preprocess", "tokenizer"))
 
 
 _COMBINATION_CHECKS: dict = {}  # model -> raw-data check; filled once the models exist
@@ -420,7 +433,11 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
         raise ValueError(f"--set has an empty key: {expr!r}")
-    return parts, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return parts, yaml_bounded.load(raw)[0] if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"--set {key.strip()}: the value {raw!r} is not valid YAML "
+                         f"({getattr(e, 'problem', None) or e}); quote it as a string: {key.strip()}='\"...\"'") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -456,8 +473,7 @@ def load_yaml(path: str | os.PathLike) -> tuple[Any, dict]:
         raise ConfigError(str(path), [Problem("", f"no such file: {path}" if isinstance(e, FileNotFoundError)
                                               else f"cannot read {path}: {e.strerror or e}")]) from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        data, node = yaml_bounded.load(text)  # aliases and nesting bounded before anything walks the tree
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
