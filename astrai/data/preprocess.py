@@ -42,7 +42,8 @@ from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_pa
 from astrai.data.template import resolve_template
 from astrai.data.tokenizer import load_tokenizer
 from astrai.data.write import (
-    ShardWriter, atomic_write_bytes, atomic_write_text, concat, list_array, nested_list_array, remove_stale_tmp,
+    ShardWriter, atomic_write_bytes, atomic_write_text, concat, json_line, list_array, nested_list_array,
+    remove_stale_tmp,
     rows_columns, value_array,
 )
 
@@ -312,7 +313,7 @@ def _pass1(arg, limit: Optional[int] = None):
     work = outp / WORK
     if rejects:
         atomic_write_text(work / f"{part.name}.rejects.jsonl",
-                          "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rejects))
+                          "".join(json_line(r) for r in rejects))
     # the summary is the partition's completion marker: written last
     atomic_write_text(work / f"{part.name}.json", json.dumps(tally.summary(**extra), sort_keys=True))
 

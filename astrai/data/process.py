@@ -14,6 +14,7 @@ Sections (single output) or sources (one token sequence per named source) are bu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional, Union
@@ -25,7 +26,7 @@ from astrai.data.errors import RecordError
 from astrai.data.mask import (
     IGNORE, RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,
 )
-from astrai.data.template import ChatTemplate, resolve_template
+from astrai.data.template import REASONING_FIELDS, ChatTemplate, resolve_template
 from astrai.data.tokenizer import Tokenizer, with_added_tokens
 
 ITEM = "$item"
@@ -121,6 +122,9 @@ class Processor:
             except RecordError as e:
                 prepared.append(e)
                 continue
+            except RecursionError:  # a record nested too deeply for a template or a check to walk
+                prepared.append(RecordError("too_deep", "the record is nested too deeply to process"))
+                continue
             if isinstance(prepared[-1], Filtered):
                 continue
             for part in _parts_of(prepared[-1][0]):
@@ -206,6 +210,7 @@ class Processor:
                 chat = render_with_regions(self.template, msgs, trained, add_generation_prompt=s.add_generation_prompt,
                                            tools=tools, special_tokens=self.special, template_kwargs=self.kwargs,
                                            gen_prompt=self.gen_prompt)
+                _check_unicode(chat.text, s.field if isinstance(s.field, str) else s.field[-1])
                 chars += sum(len(m.get("content") or "") for m in msgs)
                 parts.append(_Part(chat.text, bool(s.add_special_tokens), any(trained), chat,
                                    [str(m.get("role")) for m in msgs]))
@@ -214,6 +219,7 @@ class Processor:
                 text = _field(rec, s.field)
                 if not isinstance(text, str):
                     raise RecordError("wrong_type", f"must be a string, got {_type(text)}", key=s.field)
+                _check_unicode(text, s.field)
                 add_special = s.add_special_tokens if s.add_special_tokens is not None else first
                 first = False
                 chars += len(text)
@@ -254,6 +260,9 @@ class Processor:
                 if content is not None and not isinstance(content, str):
                     raise RecordError("non_string_content", f"content must be a string, got {_type(content)}",
                                       key=key + ".content")
+                for name in ("content",) + REASONING_FIELDS:  # precise keys; the render is checked as a whole too
+                    if isinstance(m.get(name), str):
+                        _check_unicode(m[name], f"{key}.{name}")
                 if s.mask_key is not None and s.mask_key in m and not isinstance(m[s.mask_key], bool):
                     raise RecordError("wrong_type", f"must be true or false, got {_type(m[s.mask_key])}",
                                       key=f"{key}.{s.mask_key}")
@@ -362,8 +371,14 @@ def _field(rec: dict, name: str):
     return rec[name]
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
 def _value(v, value_type: str, key: str):
-    """A value field checked against its declared type, so every record writes the same column type."""
+    """A value field checked against its declared type and range, so every record writes the same
+    column type and no value changes on the way (a float column is float32: NaN, inf and anything
+    past float32's range are rejected, not written as NaN/inf)."""
     def num(x):
         return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -373,7 +388,47 @@ def _value(v, value_type: str, key: str):
     if not ok:
         hint = " (declare value_type: float_list for a list of numbers)" if isinstance(v, list) else ""
         raise RecordError("wrong_type", f"value_type {value_type}: got {_type(v)} {v!r:.40}{hint}", key=key)
-    return float(v) if value_type == "float" else v
+    if value_type == "float":
+        return _float32(v, key)
+    if value_type == "float_list":
+        return [_float32(x, f"{key}[{i}]") for i, x in enumerate(v)]
+    if value_type == "int" and not INT64_RANGE[0] <= v <= INT64_RANGE[1]:
+        raise RecordError("out_of_range", f"value_type int: {_big(v)} does not fit in int64", key=key)
+    if value_type == "string":
+        _check_unicode(v, key)
+    return v
+
+
+def _float32(x, key: str) -> float:
+    try:
+        f = float(x)
+    except OverflowError:  # an int past float64 (10**400)
+        raise RecordError("out_of_range", f"{_big(x)} does not fit in float32", key=key) from None
+    if not math.isfinite(f):
+        raise RecordError("non_finite", f"{f} is not a finite number", key=key)
+    # np.float32 rounds to nearest: values just past the max round down to it, anything beyond is inf
+    with np.errstate(over="ignore"):
+        too_big = not math.isfinite(np.float32(f))
+    if too_big:
+        raise RecordError("out_of_range", f"{f:.6g} does not fit in float32 (max {FLOAT32_MAX:.6g})", key=key)
+    return f
+
+
+def _big(n: int) -> str:
+    digits = str(abs(n))
+    return str(n) if len(digits) <= 20 else f"{'-' if n < 0 else ''}{digits[0]}.{digits[1:4]}e{len(digits) - 1}"
+
+
+def _check_unicode(text: str, key) -> None:
+    """Text the tokenizer and the UTF-8 writers can take: no lone surrogates (valid in JSON escapes
+    and Python strings, not in UTF-8)."""
+    if text.isascii():  # O(1) in CPython: the common case costs nothing
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RecordError("invalid_unicode", f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start} "
+                                             f"(not encodable as UTF-8)", key=key) from None
 
 
 def _type(v) -> str:

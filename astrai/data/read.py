@@ -29,6 +29,7 @@ from typing import Iterator, Optional, Union
 from astrai.data.errors import InputError, RecordError
 
 SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+TOO_DEEP = "JSON nested too deeply to parse (over Python's recursion limit)"
 
 
 @dataclass(frozen=True)
@@ -114,32 +115,47 @@ def plan_partitions(files: list[Path], partition_bytes: int, digests: Optional[d
     parts: list[Partition] = []
     for f in files:
         kind = _kind(f)
-        if kind == "jsonl":
-            h = hashlib.sha256() if digests is not None else None
-            for start, end, line in _jsonl_ranges(f, partition_bytes, h):
-                parts.append(Partition(len(parts), str(f), kind, start, end, line))
-            if h is not None:
-                digests[str(f)] = h.hexdigest()
-        elif kind == "parquet":
-            import pyarrow.parquet as pq
-
-            md = pq.ParquetFile(f).metadata
-            g0, size, row0, rows = 0, 0, 0, 0
-            for g in range(md.num_row_groups):
-                size += md.row_group(g).total_byte_size
-                rows += md.row_group(g).num_rows
-                if size >= partition_bytes or g == md.num_row_groups - 1:
-                    parts.append(Partition(len(parts), str(f), kind, g0, g + 1, row0))
-                    g0, size, row0 = g + 1, 0, rows
-            if md.num_row_groups == 0:
-                parts.append(Partition(len(parts), str(f), kind, 0, 0, 0))
-        elif kind == "arrow":
-            state = json.loads((f / "state.json").read_text())
-            for df in state.get("_data_files", []):
-                parts.append(Partition(len(parts), str(f / df["filename"]), kind, 0, -1, 0))
-        else:
-            parts.append(Partition(len(parts), str(f), kind, 0, -1, 1))
+        try:
+            _plan_file(f, kind, partition_bytes, digests, parts)
+        except InputError:
+            raise
+        except Exception as e:  # pyarrow and OS errors do not always name the file; this one does
+            raise _unreadable(f, e) from e
     return parts
+
+
+def _unreadable(f, e: Exception) -> InputError:
+    return InputError(f"input {f}: cannot read it ({type(e).__name__}: {e}); is the file complete and in "
+                      f"the format its name says?")
+
+
+def _plan_file(f: Path, kind: str, partition_bytes: int, digests: Optional[dict], parts: list[Partition]):
+    """Append one file's partitions to parts."""
+    if kind == "jsonl":
+        h = hashlib.sha256() if digests is not None else None
+        for start, end, line in _jsonl_ranges(f, partition_bytes, h):
+            parts.append(Partition(len(parts), str(f), kind, start, end, line))
+        if h is not None:
+            digests[str(f)] = h.hexdigest()
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        md = pq.ParquetFile(f).metadata
+        g0, size, row0, rows = 0, 0, 0, 0
+        for g in range(md.num_row_groups):
+            size += md.row_group(g).total_byte_size
+            rows += md.row_group(g).num_rows
+            if size >= partition_bytes or g == md.num_row_groups - 1:
+                parts.append(Partition(len(parts), str(f), kind, g0, g + 1, row0))
+                g0, size, row0 = g + 1, 0, rows
+        if md.num_row_groups == 0:
+            parts.append(Partition(len(parts), str(f), kind, 0, 0, 0))
+    elif kind == "arrow":
+        state = json.loads((f / "state.json").read_text())
+        for df in state.get("_data_files", []):
+            parts.append(Partition(len(parts), str(f / df["filename"]), kind, 0, -1, 0))
+    else:
+        parts.append(Partition(len(parts), str(f), kind, 0, -1, 1))
 
 
 def _jsonl_ranges(f: Path, partition_bytes: int, hasher=None):
@@ -184,7 +200,16 @@ Item = tuple[Union[dict, RecordError], str]
 def read_partition(p: Partition, batch_size: int) -> Iterator[list[Item]]:
     reader = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow}[p.kind]
     batch: list[Item] = []
-    for item in reader(p):
+    items = reader(p)
+    while True:
+        try:  # only the reader's own failures: the consumer's run outside this generator
+            item = next(items, None)
+        except InputError:
+            raise
+        except Exception as e:  # a corrupt page or a file that changed under us: name the file
+            raise _unreadable(p.file, e) from e
+        if item is None:
+            break
         batch.append(item)
         if len(batch) >= batch_size:
             yield batch
@@ -221,6 +246,8 @@ def _parse_json_line(raw: bytes, where: str):
         rec = json.loads(text)
     except json.JSONDecodeError as e:
         return RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+        return RecordError("too_deep", TOO_DEEP)
     if not isinstance(rec, dict):
         return RecordError("not_an_object", f"a record must be a JSON object, got {type(rec).__name__}")
     return rec
@@ -232,6 +259,9 @@ def _read_json(p: Partition) -> Iterator[Item]:
         data = json.loads(raw.decode("utf-8-sig"))  # -sig: a byte order mark is not content
     except UnicodeDecodeError as e:
         yield RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the file"), "1"
+        return
+    except RecursionError:
+        yield RecordError("too_deep", TOO_DEEP), "1"
         return
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":

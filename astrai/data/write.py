@@ -11,6 +11,7 @@ Output is deterministic: the same rows give the same bytes (no timestamps in the
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -145,3 +146,21 @@ def atomic_write_bytes(path: Path, data: bytes):
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def json_line(obj: dict) -> str:
+    """One JSONL line (with its newline) for rejects.jsonl that never fails to write: text stays
+    readable (ensure_ascii off) unless it holds lone surrogates, which only \\u escapes can carry in
+    UTF-8; a record too deeply nested to serialize is left out, with a note saying so."""
+    try:
+        line = json.dumps(obj, ensure_ascii=False, default=str)
+    except (RecursionError, ValueError):
+        obj = {k: v for k, v in obj.items() if k != "record"}
+        obj["record_omitted"] = "the record is nested too deeply to write back"
+        line = json.dumps(obj, ensure_ascii=False, default=str)
+    if not line.isascii():
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            line = json.dumps(obj, ensure_ascii=True, default=str)
+    return line + "\n"
