@@ -407,7 +407,8 @@ def _bins_table(rows, job: Job, proc: Processor):
     row_offsets = np.concatenate([[0], np.cumsum([len(b) for b, _ in rows])]).astype(np.int64)
     cols = rows_columns([s.input_ids for s in seqs], [s.labels for s in seqs] if proc.has_labels else None,
                         np.array([len(s) for s in seqs], dtype=np.int64), row_offsets,
-                        job.pipeline.output.position_ids_mode)
+                        job.pipeline.output.position_ids_mode,
+                        packed=job.pipeline.preprocessing.packing_strategy != "none")
     for key in sorted({k for _, vals in rows for k in vals}):
         cols[key] = value_array([vals.get(key) for _, vals in rows], *proc.value_types[key])
     return pa.table(cols)
@@ -568,7 +569,7 @@ def _write_packed_shard(arg):
         ids_out.append(_list_slice(t.column("input_ids"), row, s, n))
         if has_labels:
             lab_out.append(_list_slice(t.column("labels"), row, s, n))
-    cols = rows_columns(ids_out, lab_out if has_labels else None, plen, boffs, o.position_ids_mode)
+    cols = rows_columns(ids_out, lab_out if has_labels else None, plen, boffs, o.position_ids_mode, packed=True)
     w = ShardWriter(Path(path), o.row_group_rows)
     try:
         w.write(pa.table(cols))

@@ -1,6 +1,7 @@
 """Parquet shards, atomically: written under a temporary name and renamed when complete.
 
-Row schema (DESIGN.md): input_ids, labels (omitted for plain pretraining), position_ids (unless
+Row schema (DESIGN.md): input_ids, labels (omitted only for unpacked plain pretraining; packed rows
+always carry them, IGNORE_INDEX at each document's first position), position_ids (unless
 position_ids_mode none), seq_lens — all list<int32>, one row per bin (or per document unpacked).
 Multi-output rows carry `{source}_input_ids` / `{source}_labels` (list<int32>, or
 list<list<int32>> for list sources) and value columns (numbers as float32, never truncated to
@@ -19,6 +20,8 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from astrai.schema import IGNORE_INDEX
 
 I32 = pa.list_(pa.int32())
 
@@ -40,18 +43,29 @@ def concat(arrays) -> np.ndarray:
 
 
 def rows_columns(ids: list, labels: Optional[list], seq_lens: np.ndarray, row_offsets: np.ndarray,
-                 position_mode: str, with_seq_lens: bool = True) -> dict:
+                 position_mode: str, with_seq_lens: bool = True, packed: bool = False) -> dict:
     """The token columns of rows made of documents (or document pieces), in order.
 
     ids/labels: each document's token arrays; seq_lens: their lengths; row_offsets (n_rows + 1):
     row r holds documents row_offsets[r]:row_offsets[r+1]. Both the streaming writer and the packed
     shard writer build their rows here, so the two layouts cannot drift apart.
+
+    packed: the rows are packed bins, read by trainers that know nothing of seq_lens. Labels are
+    then always written (ids where there are none), with IGNORE_INDEX at each document's (piece's)
+    first position, as transformers' DataCollatorWithFlattening does: labels are shifted inside
+    the model, so that position would otherwise teach the previous document's last token to
+    predict this one's first.
     """
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     ends = np.concatenate([[0], np.cumsum(seq_lens)])
     row_lens = ends[row_offsets[1:]] - ends[row_offsets[:-1]]
-    cols = {"input_ids": list_array(concat(ids), row_lens)}
-    if labels is not None:
+    flat_ids = concat(ids)
+    cols = {"input_ids": list_array(flat_ids, row_lens)}
+    if packed:
+        flat_labels = concat(labels) if labels is not None else flat_ids.copy()
+        flat_labels[ends[:-1][seq_lens > 0]] = IGNORE_INDEX
+        cols["labels"] = list_array(flat_labels, row_lens)
+    elif labels is not None:
         cols["labels"] = list_array(concat(labels), row_lens)
     if position_mode == "doc_reset":  # restarts per document, whatever the rows
         cols["position_ids"] = list_array(positions(seq_lens, "doc_reset"), row_lens)

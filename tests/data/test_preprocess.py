@@ -130,7 +130,9 @@ def test_every_token_accounted_for(tmp_path, tiny_tokenizer, strategy, read_rows
         assert pieces == ref_docs  # input order, whole documents
     elif strategy == "bfd_split":
         # nothing lost: every document is the concatenation of its chunks, chunks <= max_len
-        chunks = [(d[0][s:s + max_len], d[1][s:s + max_len]) for d in ref_docs for s in range(0, len(d[0]), max_len)]
+        # a continuation chunk's first token has no context in its row: never a target (B12)
+        chunks = [(d[0][s:s + max_len], (-100,) + d[1][s + 1:s + max_len] if s else d[1][s:s + max_len])
+                  for d in ref_docs for s in range(0, len(d[0]), max_len)]
         assert Counter(pieces) == Counter(chunks)
         assert stats["pack_truncated_tokens"] == 0
         long_docs = [d for d in ref_docs if len(d[0]) > max_len]
