@@ -22,8 +22,12 @@ The method (two renders, one tokenization, all linear in the conversation):
 4. A trained message's region runs from the end of its header to the end of its last text span.
    For assistant messages the header is the template's generation prompt, found in the scaffold
    just before the message, so generated markup such as `<think>` and `</think>` is trained; other
-   roles start at their text. Think tags that open or close the message's own text belong to it
-   (this matters when the template has no generation prompt). Role headers are never trained. The
+   roles start at their text. The rule: an assistant turn is trained from where the prompt ends
+   (what add_generation_prompt renders) to its end-of-turn. A template without a generation prompt
+   that writes text between the prompt and the answer (Llama-2: "[/INST]" + " " + answer) has that
+   "answer lead" trained too: the model generates it, merged into the answer's first token. Think
+   tags that open or close the message's own text belong to it (this matters when the template has
+   no generation prompt). Role headers are never trained. The
    end-of-turn token(s) right after the region (whitespace, then the first special token) are
    trained or masked by policy.
    Tool calls are rendered by the template from structured data, so they have no sentinel: a
@@ -95,7 +99,8 @@ def _split_for_sentinels(value: str) -> list[tuple[bool, str]]:
 
 
 def render_with_regions(template, messages: list[dict], trained: list[bool], *, add_generation_prompt=False,
-                        tools=None, special_tokens=None, template_kwargs=None, gen_prompt: str = "") -> RenderedChat:
+                        tools=None, special_tokens=None, template_kwargs=None, gen_prompt: str = "",
+                        answer_lead: str = "") -> RenderedChat:
     kwargs = dict(template_kwargs or {})
     try:
         text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
@@ -148,7 +153,8 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
                                              f"({type(e).__name__}: {e}); its output depends on message text") from None
 
     spans = _walk(text, skeleton, pieces)
-    regions = _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_prompt, with_content)
+    regions = _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_prompt, with_content,
+                       answer_lead)
     return RenderedChat(text, regions, [(s, e, i) for s, e, i, _ in spans])
 
 
@@ -206,7 +212,7 @@ def _mismatch(text, cursor, scaffold, msg) -> RecordError:
 
 
 def _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_prompt=False,
-             with_content=None) -> list[Region]:
+             with_content=None, answer_lead: str = "") -> list[Region]:
     by_msg: dict[int, list[tuple[int, int, int]]] = {}
     for s, e, i, k in spans:
         by_msg.setdefault(i, []).append((s, e, k))
@@ -231,13 +237,19 @@ def _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_p
                 end += len(cand)
                 break
         role = str(messages[i].get("role"))
-        if trained[i] and gen_prompt and role == "assistant":
+        if trained[i] and role == "assistant":
             # Train from the end of the assistant header: generated markup (e.g. "<think>\n") counts.
             # Only for assistant messages: the generation prompt is the assistant header, and for a
             # trained user message it could be the header of an empty assistant turn before it.
-            at = text.rfind(gen_prompt, prev_end, start)
+            at = text.rfind(gen_prompt, prev_end, start) if gen_prompt else -1
             if at >= 0:
                 start = at + len(gen_prompt)
+            elif answer_lead and start - len(answer_lead) >= prev_end and \
+                    text.startswith(answer_lead, start - len(answer_lead)):
+                # No generation prompt to find (Llama-2 style: the prompt ends at "[/INST]"): the prompt
+                # ends `answer_lead` before the text; the model generates the lead (" ") itself, merged
+                # into the answer's first token (" Creating"), so the lead is trained too.
+                start -= len(answer_lead)
         calls = messages[i].get("tool_calls")
         # Output the template renders after the last text span runs to the end-of-turn token: tool calls,
         # and, when the content left no text (empty, or think tags only) but the reasoning did, the
@@ -487,12 +499,28 @@ def message_of_tokens(chat: RenderedChat, spans: TokenSpans) -> np.ndarray:
     return out
 
 
-def generation_prompt(template, special_tokens=None, template_kwargs=None) -> str:
-    """The text add_generation_prompt appends (e.g. '<|im_start|>assistant\\n'); '' if none or unknown."""
+def prompt_probe(template, special_tokens=None, template_kwargs=None) -> tuple[str, str]:
+    """(generation prompt, answer lead) of a template, from three renders of a one-turn probe.
+
+    The generation prompt is the text add_generation_prompt appends (e.g. '<|im_start|>assistant\\n');
+    '' if none or unknown. The answer lead is whitespace the template writes between the end of that
+    prompt and an assistant answer: ' ' for Llama-2 style templates ('[/INST]' + ' ' + answer), ''
+    for most. Only whitespace counts as a lead: anything else there would be a role header, which
+    is never trained; and '' whenever the prompt is not a prefix of the conversation with the answer.
+    """
     probe = [{"role": "user", "content": "x"}]
+    marker = _sentinel(0)
+    kwargs = template_kwargs or {}
     try:
-        a = template.render(probe, add_generation_prompt=False, special_tokens=special_tokens, **(template_kwargs or {}))
-        b = template.render(probe, add_generation_prompt=True, special_tokens=special_tokens, **(template_kwargs or {}))
+        a = template.render(probe, add_generation_prompt=False, special_tokens=special_tokens, **kwargs)
+        b = template.render(probe, add_generation_prompt=True, special_tokens=special_tokens, **kwargs)
+        turn = template.render(probe + [{"role": "assistant", "content": marker}], add_generation_prompt=False,
+                               special_tokens=special_tokens, **kwargs)
     except Exception:
-        return ""
-    return b[len(a):] if b.startswith(a) else ""
+        return "", ""
+    gen_prompt = b[len(a):] if b.startswith(a) else ""
+    lead = ""
+    if turn.startswith(b) and marker in turn[len(b):]:
+        lead = turn[len(b):turn.index(marker, len(b))]
+    return gen_prompt, lead if not lead.strip() else ""
+

@@ -24,7 +24,7 @@ import numpy as np
 from astrai.config import Pipeline, Section
 from astrai.data.errors import RecordError
 from astrai.data.mask import (
-    IGNORE, RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,
+    IGNORE, RenderedChat, TokenSpans, label_tokens, message_of_tokens, prompt_probe, render_with_regions,
 )
 from astrai.data.template import REASONING_FIELDS, ChatTemplate, resolve_template
 from astrai.data.tokenizer import Tokenizer, with_added_tokens
@@ -85,7 +85,8 @@ class Processor:
             self.template = resolve_template(pipeline.chat_template, self.tok, base_dir)
         self.special = dict(self.tok.special_tokens_map)
         self.kwargs = dict(pipeline.input.template_kwargs)
-        self.gen_prompt = generation_prompt(self.template, self.special, self.kwargs) if self.template else ""
+        self.gen_prompt, self.answer_lead = (prompt_probe(self.template, self.special, self.kwargs) if self.template
+                                             else ("", ""))
         # Roles outside `mask` are bad input (a typo such as 'asistant' must not train silently), unless
         # the pipeline sets mask_default explicitly: then that rule covers every other role.
         self.any_role = "mask_default" in pipeline.model_fields_set
@@ -209,7 +210,7 @@ class Processor:
                 tools = rec.get(self.p.input.tools_field) if self.p.input.tools_field else None
                 chat = render_with_regions(self.template, msgs, trained, add_generation_prompt=s.add_generation_prompt,
                                            tools=tools, special_tokens=self.special, template_kwargs=self.kwargs,
-                                           gen_prompt=self.gen_prompt)
+                                           gen_prompt=self.gen_prompt, answer_lead=self.answer_lead)
                 _check_unicode(chat.text, s.field if isinstance(s.field, str) else s.field[-1])
                 chars += sum(len(m.get("content") or "") for m in msgs)
                 parts.append(_Part(chat.text, bool(s.add_special_tokens), any(trained), chat,
