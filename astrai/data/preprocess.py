@@ -79,7 +79,10 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
         raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
     tok = load_tokenizer(tok_spec, base_dir)
     template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
-    files = expand_inputs(inputs)  # relative to the working directory; recipes join their own base
+    warnings: list[str] = []  # skipped or empty inputs: said, not ignored
+    files = expand_inputs(inputs, warnings=warnings)  # relative to the working directory (recipes join their base)
+    for w in warnings:
+        log(f"warning: {w}")
     digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
     parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
     fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests)

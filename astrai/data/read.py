@@ -28,7 +28,8 @@ from typing import Iterator, Optional, Union
 
 from astrai.data.errors import InputError, RecordError
 
-SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
+                ".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".ndjson.zst": "jsonl.zst"}
 TOO_DEEP = "JSON nested too deeply to parse (over Python's recursion limit)"
 
 
@@ -46,9 +47,15 @@ class Partition:
         return f"p{self.index:05d}"
 
 
-def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = None) -> list[Path]:
+def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = None,
+                  warnings: Optional[list] = None) -> list[Path]:
     """Files for the given paths/globs, sorted within each pattern; HF dataset dirs stay whole, also
-    inside a directory that is walked (their state.json/dataset_info.json are not records)."""
+    inside a directory that is walked (their state.json/dataset_info.json are not records).
+
+    What a person would want to know is appended to `warnings` (one line each): files of a walked
+    directory that are not inputs (README.md, .txt), a directory with no input file, an empty file.
+    Nothing to read at all is an error."""
+    warnings = [] if warnings is None else warnings
     out: list[Path] = []
     for pat in patterns:
         p = Path(pat).expanduser()
@@ -59,18 +66,39 @@ def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = No
             raise InputError(f"input '{pat}': no such file or directory ({p})")
         for m in matches:
             if m.is_dir() and not _is_hf_dir(m):
-                found = _dir_inputs(pat, m)
+                skipped: list[Path] = []
+                found = _dir_inputs(pat, m, skipped)
+                if skipped:
+                    names = [str(f.relative_to(m)) for f in skipped]
+                    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+                    warnings.append(f"input '{pat}': skipped {len(names)} file(s) that are not "
+                                    f"{'/'.join(_INPUT_SUFFIXES)}: {', '.join(names[:10])}{more}")
                 if not found:
-                    raise InputError(f"input '{pat}': directory {m} holds no .jsonl/.json/.parquet files "
-                                     f"and is not a saved Hugging Face dataset")
+                    warnings.append(f"input '{pat}': directory {m} has no input files (.jsonl, .json, .parquet, "
+                                    f".jsonl.gz, .jsonl.zst or a saved Hugging Face dataset)")
                 out.extend(found)
             else:
+                if m.is_file() and m.stat().st_size == 0:
+                    warnings.append(f"input {m} is empty")
                 out.append(m)
+    if not out:
+        raise InputError(f"no input files in {', '.join(repr(p) for p in patterns)}: expected .jsonl, .json, "
+                         f".parquet, .jsonl.gz, .jsonl.zst files or a saved Hugging Face dataset")
     return out
 
 
-def _dir_inputs(pat: str, d: Path) -> list[Path]:
-    """Data files and saved datasets under d, sorted (a path sorts before what lies under it)."""
+_INPUT_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".jsonl.zst")
+
+
+def _suffix(p: Path) -> str:
+    """'.jsonl.gz' for compressed inputs, else the last suffix (lower case)."""
+    two = "".join(p.suffixes[-2:]).lower()
+    return two if two in SUFFIX_KINDS else p.suffix.lower()
+
+
+def _dir_inputs(pat: str, d: Path, skipped: Optional[list] = None) -> list[Path]:
+    """Data files and saved datasets under d, sorted (a path sorts before what lies under it); other
+    files are appended to `skipped`."""
     _refuse_dataset_dict(pat, d)
     datasets: list[Path] = []
     files: list[Path] = []
@@ -81,8 +109,10 @@ def _dir_inputs(pat: str, d: Path) -> list[Path]:
             _refuse_dataset_dict(pat, f)
             if _is_hf_dir(f):
                 datasets.append(f)
-        elif f.suffix in SUFFIX_KINDS:
+        elif _suffix(f) in SUFFIX_KINDS:
             files.append(f)
+        elif skipped is not None:
+            skipped.append(f)
     return sorted(datasets + files)
 
 
@@ -102,10 +132,10 @@ def _is_hf_dir(p: Path) -> bool:
 def _kind(p: Path) -> str:
     if p.is_dir():
         return "arrow"
-    kind = SUFFIX_KINDS.get(p.suffix.lower())
+    kind = SUFFIX_KINDS.get(_suffix(p))
     if kind is None:
-        raise InputError(f"input {p}: unknown format '{p.suffix}' (expected .jsonl, .json, .parquet or a "
-                         f"save_to_disk directory)")
+        raise InputError(f"input {p}: unknown format '{p.suffix}' (expected .jsonl, .json, .parquet, .jsonl.gz, "
+                         f".jsonl.zst or a save_to_disk directory)")
     return kind
 
 
@@ -154,7 +184,7 @@ def _plan_file(f: Path, kind: str, partition_bytes: int, digests: Optional[dict]
         state = json.loads((f / "state.json").read_text())
         for df in state.get("_data_files", []):
             parts.append(Partition(len(parts), str(f / df["filename"]), kind, 0, -1, 0))
-    else:
+    else:  # json, and compressed JSONL: a stream has no byte offsets to split at
         parts.append(Partition(len(parts), str(f), kind, 0, -1, 1))
 
 
@@ -198,7 +228,8 @@ Item = tuple[Union[dict, RecordError], str]
 
 
 def read_partition(p: Partition, batch_size: int) -> Iterator[list[Item]]:
-    reader = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow}[p.kind]
+    reader = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow,
+              "jsonl.gz": _read_jsonl_stream, "jsonl.zst": _read_jsonl_stream}[p.kind]
     batch: list[Item] = []
     items = reader(p)
     while True:
@@ -233,6 +264,30 @@ def _read_jsonl(p: Partition) -> Iterator[Item]:
             if not raw.strip():
                 continue  # blank lines are not records
             yield _parse_json_line(raw, where), where
+
+
+def _read_jsonl_stream(p: Partition) -> Iterator[Item]:
+    """Compressed JSONL, decompressed as a stream (never whole in memory), numbered like JSONL."""
+    with _open_stream(p) as fh:
+        for line_no, raw in enumerate(fh, p.first_line):
+            if raw.strip():  # blank lines are not records
+                yield _parse_json_line(raw, str(line_no)), str(line_no)
+
+
+def _open_stream(p: Partition):
+    import io
+
+    if p.kind == "jsonl.gz":
+        import gzip
+
+        return gzip.open(p.file, "rb")
+    try:
+        import zstandard
+    except ImportError:
+        raise InputError(f"input {p.file}: reading .zst needs the zstandard package (pip install zstandard, "
+                         f"or astrai[zstd])") from None
+    raw = open(p.file, "rb")
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
 
 
 def _parse_json_line(raw: bytes, where: str):
