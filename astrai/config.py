@@ -123,6 +123,10 @@ class Preprocessing(_StrictModel):
         "keep_start", description="which end of an over-long document is kept"
     )
     end_of_turn: TrainOrMask = Field("train", description="train or mask the end-of-turn token(s) after trained messages")
+    empty_message: Literal["filter", "mask", "train"] = Field(
+        "filter", description="a trained message with no text: filter the record (reason empty_message), mask the "
+                              "message, or train its end-of-turn token alone"
+    )
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="bad record: raise (stop with file:line) or skip (write it to rejects.jsonl)"
     )

@@ -499,14 +499,15 @@ def message_of_tokens(chat: RenderedChat, spans: TokenSpans) -> np.ndarray:
     return out
 
 
-def prompt_probe(template, special_tokens=None, template_kwargs=None) -> tuple[str, str]:
-    """(generation prompt, answer lead) of a template, from three renders of a one-turn probe.
+def prompt_probe(template, special_tokens=None, template_kwargs=None) -> tuple[str, str, str]:
+    """(generation prompt, answer lead, after answer) of a template, from three renders of a probe.
 
     The generation prompt is the text add_generation_prompt appends (e.g. '<|im_start|>assistant\\n');
     '' if none or unknown. The answer lead is whitespace the template writes between the end of that
     prompt and an assistant answer: ' ' for Llama-2 style templates ('[/INST]' + ' ' + answer), ''
     for most. Only whitespace counts as a lead: anything else there would be a role header, which
     is never trained; and '' whenever the prompt is not a prefix of the conversation with the answer.
+    After answer: what the template writes after an answer (its end-of-turn, e.g. '<|im_end|>\\n').
     """
     probe = [{"role": "user", "content": "x"}]
     marker = _sentinel(0)
@@ -517,10 +518,11 @@ def prompt_probe(template, special_tokens=None, template_kwargs=None) -> tuple[s
         turn = template.render(probe + [{"role": "assistant", "content": marker}], add_generation_prompt=False,
                                special_tokens=special_tokens, **kwargs)
     except Exception:
-        return "", ""
+        return "", "", ""
     gen_prompt = b[len(a):] if b.startswith(a) else ""
     lead = ""
     if turn.startswith(b) and marker in turn[len(b):]:
         lead = turn[len(b):turn.index(marker, len(b))]
-    return gen_prompt, lead if not lead.strip() else ""
+    after = turn[turn.index(marker) + len(marker):] if marker in turn else ""
+    return gen_prompt, lead if not lead.strip() else "", after
 

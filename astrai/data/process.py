@@ -85,8 +85,9 @@ class Processor:
             self.template = resolve_template(pipeline.chat_template, self.tok, base_dir)
         self.special = dict(self.tok.special_tokens_map)
         self.kwargs = dict(pipeline.input.template_kwargs)
-        self.gen_prompt, self.answer_lead = (prompt_probe(self.template, self.special, self.kwargs) if self.template
-                                             else ("", ""))
+        self.gen_prompt, self.answer_lead, after_answer = (
+            prompt_probe(self.template, self.special, self.kwargs) if self.template else ("", "", ""))
+        self.end_of_turn_id = self._end_of_turn_id(after_answer)
         # Roles outside `mask` are bad input (a typo such as 'asistant' must not train silently), unless
         # the pipeline sets mask_default explicitly: then that rule covers every other role.
         self.any_role = "mask_default" in pipeline.model_fields_set
@@ -95,6 +96,25 @@ class Processor:
             self.sources = {"": (pipeline.input.sections, None)}
         else:
             self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
+        # Plain-text answers to a chat prompt (GRPO completions): they end with the template's end-of-turn
+        # token, as a chat answer does; a policy never shown where to stop never learns to stop.
+        prompted = any(s.template and s.add_generation_prompt for secs, _ in self.sources.values() for s in secs)
+        self.answer_sources = {
+            name for name, (secs, _) in self.sources.items()
+            if prompted and self.end_of_turn_id is not None and name and not any(s.template for s in secs)
+            and any(s.action == "train" for s in secs)}
+
+    def _end_of_turn_id(self, after_answer: str) -> Optional[int]:
+        """The special token that ends an assistant turn (whitespace before it allowed), or None."""
+        if not after_answer:
+            return None
+        enc = self.tok.tok.encode(after_answer, add_special_tokens=False)
+        for i, (s, e) in zip(enc.ids, enc.offsets):
+            if i in self.tok.special_ids:
+                return i
+            if after_answer[s:e].strip():
+                return None
+        return None
 
     @cached_property
     def value_types(self) -> dict[str, tuple[str, bool]]:
@@ -125,6 +145,9 @@ class Processor:
                 continue
             except RecursionError:  # a record nested too deeply for a template or a check to walk
                 prepared.append(RecordError("too_deep", "the record is nested too deeply to process"))
+                continue
+            except _Drop as d:
+                prepared.append(d.filtered)
                 continue
             if isinstance(prepared[-1], Filtered):
                 continue
@@ -206,6 +229,7 @@ class Processor:
                 msgs, n_prompt = self._messages(rec, s)
                 trained = self._trained_flags(msgs, s)
                 trained[:n_prompt] = [False] * n_prompt
+                self._empty_messages(msgs, trained)
                 # tools are optional per record: a missing or null field renders no tools
                 tools = rec.get(self.p.input.tools_field) if self.p.input.tools_field else None
                 chat = render_with_regions(self.template, msgs, trained, add_generation_prompt=s.add_generation_prompt,
@@ -272,6 +296,20 @@ class Processor:
             raise RecordError("empty_conversation", "the conversation has no messages", key=fields[0])
         return msgs, n_prompt
 
+    def _empty_messages(self, msgs: list[dict], trained: list[bool]):
+        """A trained message with no text would train its end-of-turn token alone (an answer that stops
+        at once): by policy the record is filtered (empty_message), the message masked, or kept."""
+        policy = self.p.preprocessing.empty_message
+        if policy == "train":
+            return
+        for i, m in enumerate(msgs):
+            if trained[i] and _is_empty(m):
+                if policy == "filter":
+                    raise _Drop(Filtered("empty_message", f"message {i} ({m.get('role')}) is trained but has no "
+                                                          f"text (set preprocessing.empty_message: mask or train "
+                                                          f"to keep such records)"))
+                trained[i] = False
+
     def _trained_flags(self, msgs: list[dict], s: Section) -> list[bool]:
         flags = []
         for m in msgs:
@@ -289,10 +327,11 @@ class Processor:
         parts_by_source, values, domain, chars = prep
         seqs: dict[str, Union[Seq, list[Seq]]] = {}
         for name, parts in parts_by_source.items():
+            end = self._end_answer if name in self.answer_sources else (lambda seq: seq)
             if parts and isinstance(parts[0], list):
-                seqs[name] = [self._truncate(self._join(p, encs)) for p in parts]
+                seqs[name] = [self._truncate(end(self._join(p, encs))) for p in parts]
             else:
-                seqs[name] = self._truncate(self._join(parts, encs))
+                seqs[name] = self._truncate(end(self._join(parts, encs)))
         if self.has_labels:
             for name, seq in seqs.items():
                 for one in seq if isinstance(seq, list) else [seq]:
@@ -333,6 +372,19 @@ class Processor:
         tmsg = np.concatenate(msg_l) if msg_l else np.zeros(0, np.int32)
         return Seq(ids, labels if self.has_labels else None, tmsg, roles)
 
+    def _end_answer(self, seq: Seq) -> Seq:
+        """The answer with the end-of-turn token at its end (appended unless the text has it), labelled
+        by the end_of_turn policy like a chat answer's."""
+        eot = self.end_of_turn_id
+        label = eot if self.p.preprocessing.end_of_turn == "train" else IGNORE
+        if len(seq) and seq.input_ids[-1] == eot:
+            if seq.labels is not None:
+                seq.labels[-1] = label
+            return seq
+        labels = None if seq.labels is None else np.append(seq.labels, np.int32(label)).astype(np.int32)
+        return Seq(np.append(seq.input_ids, np.int32(eot)).astype(np.int32), labels,
+                   np.append(seq.token_msg, np.int32(-1)).astype(np.int32), seq.roles, seq.truncated)
+
     def _truncate(self, seq: Seq) -> Seq:
         limit = self.p.preprocessing.max_seq_len
         if limit is None or len(seq) <= limit:
@@ -341,6 +393,20 @@ class Processor:
         keep = slice(0, limit) if self.p.preprocessing.truncation_mode == "keep_start" else slice(cut, None)
         labels = None if seq.labels is None else seq.labels[keep]
         return Seq(seq.input_ids[keep], labels, seq.token_msg[keep], seq.roles, seq.truncated + cut)
+
+
+class _Drop(Exception):
+    """Raised while preparing a record that a filter drops (the Filtered result travels with it)."""
+
+    def __init__(self, filtered: Filtered):
+        super().__init__(filtered.reason)
+        self.filtered = filtered
+
+
+def _is_empty(m: dict) -> bool:
+    """No text at all: blank content, no reasoning, no tool calls."""
+    texts = [m.get("content")] + [m.get(k) for k in REASONING_FIELDS]
+    return not m.get("tool_calls") and not any(isinstance(t, str) and t.strip() for t in texts)
 
 
 def _check_shared_prompt(chosen: Seq, rejected: Seq):

@@ -77,7 +77,8 @@ def make(toks):
         data = {"version": 1, "chat_template": family,
                 "input": {"sections": [section or {"field": "messages", "action": "$role", "template": True}],
                           "tools_field": "tools", "template_kwargs": kwargs or {}},
-                "preprocessing": {"end_of_turn": eot}}
+                # empty answers test the masking itself: the policy that keeps them (B8 filters by default)
+                "preprocessing": {"end_of_turn": eot, "empty_message": "train"}}
         if mask is not None:
             data["mask"] = mask
         if mask_default is not None:
