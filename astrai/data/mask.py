@@ -40,10 +40,14 @@ The method (two renders, one tokenization, all linear in the conversation):
    trained assistant message whose render holds no text at all (empty content, or tool calls only)
    is anchored at its own generation prompt (header): the assistant messages without text between
    two messages with text must own the generation prompts found there one for one, in order, else
-   the record is rejected.
+   the record is rejected. A template without a generation prompt has no header to anchor at: an
+   answer made only of think tags is then located by its own text, which must occur exactly once
+   there.
 5. Tokenize `text` once with character offsets. A token is trained iff its span lies inside a
-   trained region. A token that straddles a region edge (template text and message text merged in
-   one token) cannot be attributed, and the record is rejected with that reason.
+   trained region. A token that straddles a region's start (template text and message text merged
+   in one token) cannot be attributed, and the record is rejected with that reason. One that
+   straddles its end merges the text with template text of the same turn: the turn is then trained
+   to its end-of-turn token (the rule), if one follows before the next message's text.
 """
 
 from __future__ import annotations
