@@ -155,7 +155,8 @@ def plan_partitions(files: list[Path], partition_bytes: int, digests: Optional[d
 
 
 def _unreadable(f, e: Exception) -> InputError:
-    return InputError(f"input {f}: cannot read it ({type(e).__name__}: {e}); is the file complete and in "
+    why = " ".join(str(e).split())  # pyarrow's messages span lines: one line for the person
+    return InputError(f"input {f}: cannot read it ({type(e).__name__}: {why}); is the file complete and in "
                       f"the format its name says?")
 
 
