@@ -325,8 +325,9 @@ def _locate_literals(text, gap, cursor, limit, messages, trained, answer_lead) -
                                                  f"has no generation prompt; its text is not found exactly once "
                                                  f"where it is rendered, so its output cannot be located")
         start = at
-        if answer_lead and start - len(answer_lead) >= cursor and text.startswith(answer_lead, start - len(answer_lead)):
-            start -= len(answer_lead)
+        lead_at = start - len(answer_lead)
+        if answer_lead and lead_at >= cursor and text.startswith(answer_lead, lead_at):
+            start = lead_at
         out.append(Region(start, at + len(cand), k, "assistant", True, False, limit))
         cursor = at + len(cand)
     return out

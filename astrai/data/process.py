@@ -14,7 +14,6 @@ Sections (single output) or sources (one token sequence per named source) are bu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional, Union
@@ -28,6 +27,7 @@ from astrai.data.mask import (
 )
 from astrai.data.template import REASONING_FIELDS, ChatTemplate, resolve_template
 from astrai.data.tokenizer import Tokenizer, with_added_tokens
+from astrai.data.values import check_unicode, check_value, type_name
 
 ITEM = "$item"
 
@@ -188,7 +188,7 @@ class Processor:
             else:
                 items = _field(rec, list_field)
                 if not isinstance(items, list) or not items:
-                    raise RecordError("wrong_type", f"must be a non-empty list, got {_type(items)}", key=list_field)
+                    raise RecordError("wrong_type", f"must be a non-empty list, got {type_name(items)}", key=list_field)
                 all_parts, item_vals = [], {}
                 for j, item in enumerate(items):
                     scope = item if isinstance(item, dict) else {ITEM: item}
@@ -223,7 +223,7 @@ class Processor:
         for s in sections:
             if s.action == "value":
                 fld = s.field if isinstance(s.field, str) else s.field[0]
-                values[source or fld] = _value(_field(rec, fld), s.value_type, fld)
+                values[source or fld] = check_value(_field(rec, fld), s.value_type, fld)
                 continue
             if s.template:
                 msgs, n_prompt = self._messages(rec, s)
@@ -235,7 +235,7 @@ class Processor:
                 chat = render_with_regions(self.template, msgs, trained, add_generation_prompt=s.add_generation_prompt,
                                            tools=tools, special_tokens=self.special, template_kwargs=self.kwargs,
                                            gen_prompt=self.gen_prompt, answer_lead=self.answer_lead)
-                _check_unicode(chat.text, s.field if isinstance(s.field, str) else s.field[-1])
+                check_unicode(chat.text, s.field if isinstance(s.field, str) else s.field[-1])
                 chars += sum(len(m.get("content") or "") for m in msgs)
                 parts.append(_Part(chat.text, bool(s.add_special_tokens), any(trained), chat,
                                    [str(m.get("role")) for m in msgs]))
@@ -243,8 +243,8 @@ class Processor:
             else:
                 text = _field(rec, s.field)
                 if not isinstance(text, str):
-                    raise RecordError("wrong_type", f"must be a string, got {_type(text)}", key=s.field)
-                _check_unicode(text, s.field)
+                    raise RecordError("wrong_type", f"must be a string, got {type_name(text)}", key=s.field)
+                check_unicode(text, s.field)
                 add_special = s.add_special_tokens if s.add_special_tokens is not None else first
                 first = False
                 chars += len(text)
@@ -267,11 +267,11 @@ class Processor:
             if isinstance(v, str):  # a bare string in a message list position: a user/assistant turn
                 raise RecordError("wrong_type", "must be a list of messages ({role, content}), got a string", key=f)
             if not isinstance(v, list):
-                raise RecordError("wrong_type", f"must be a list of messages, got {_type(v)}", key=f)
+                raise RecordError("wrong_type", f"must be a list of messages, got {type_name(v)}", key=f)
             for i, m in enumerate(v):
                 key = f"{f}[{i}]"
                 if not isinstance(m, dict):
-                    raise RecordError("wrong_type", f"a message must be an object, got {_type(m)}", key=key)
+                    raise RecordError("wrong_type", f"a message must be an object, got {type_name(m)}", key=key)
                 role = m.get("role")
                 if not isinstance(role, str):
                     raise RecordError("missing_field" if role is None else "wrong_type",
@@ -283,13 +283,13 @@ class Processor:
                 if content is None and not m.get("tool_calls"):
                     raise RecordError("missing_field", "a message needs 'content'", key=key + ".content")
                 if content is not None and not isinstance(content, str):
-                    raise RecordError("non_string_content", f"content must be a string, got {_type(content)}",
+                    raise RecordError("non_string_content", f"content must be a string, got {type_name(content)}",
                                       key=key + ".content")
                 for name in ("content",) + REASONING_FIELDS:  # precise keys; the render is checked as a whole too
                     if isinstance(m.get(name), str):
-                        _check_unicode(m[name], f"{key}.{name}")
+                        check_unicode(m[name], f"{key}.{name}")
                 if s.mask_key is not None and s.mask_key in m and not isinstance(m[s.mask_key], bool):
-                    raise RecordError("wrong_type", f"must be true or false, got {_type(m[s.mask_key])}",
+                    raise RecordError("wrong_type", f"must be true or false, got {type_name(m[s.mask_key])}",
                                       key=f"{key}.{s.mask_key}")
                 msgs.append(m)
         if not msgs:
@@ -436,67 +436,3 @@ def _field(rec: dict, name: str):
     if name not in rec:
         raise RecordError("missing_field", "field is missing", key=name)
     return rec[name]
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-INT64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
-
-
-def _value(v, value_type: str, key: str):
-    """A value field checked against its declared type and range, so every record writes the same
-    column type and no value changes on the way (a float column is float32: NaN, inf and anything
-    past float32's range are rejected, not written as NaN/inf)."""
-    def num(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    ok = {"float": num(v), "int": isinstance(v, int) and not isinstance(v, bool),
-          "float_list": isinstance(v, list) and all(num(x) for x in v),
-          "string": isinstance(v, str), "bool": isinstance(v, bool)}[value_type]
-    if not ok:
-        hint = " (declare value_type: float_list for a list of numbers)" if isinstance(v, list) else ""
-        raise RecordError("wrong_type", f"value_type {value_type}: got {_type(v)} {v!r:.40}{hint}", key=key)
-    if value_type == "float":
-        return _float32(v, key)
-    if value_type == "float_list":
-        return [_float32(x, f"{key}[{i}]") for i, x in enumerate(v)]
-    if value_type == "int" and not INT64_RANGE[0] <= v <= INT64_RANGE[1]:
-        raise RecordError("out_of_range", f"value_type int: {_big(v)} does not fit in int64", key=key)
-    if value_type == "string":
-        _check_unicode(v, key)
-    return v
-
-
-def _float32(x, key: str) -> float:
-    try:
-        f = float(x)
-    except OverflowError:  # an int past float64 (10**400)
-        raise RecordError("out_of_range", f"{_big(x)} does not fit in float32", key=key) from None
-    if not math.isfinite(f):
-        raise RecordError("non_finite", f"{f} is not a finite number", key=key)
-    # np.float32 rounds to nearest: values just past the max round down to it, anything beyond is inf
-    with np.errstate(over="ignore"):
-        too_big = not math.isfinite(np.float32(f))
-    if too_big:
-        raise RecordError("out_of_range", f"{f:.6g} does not fit in float32 (max {FLOAT32_MAX:.6g})", key=key)
-    return f
-
-
-def _big(n: int) -> str:
-    digits = str(abs(n))
-    return str(n) if len(digits) <= 20 else f"{'-' if n < 0 else ''}{digits[0]}.{digits[1:4]}e{len(digits) - 1}"
-
-
-def _check_unicode(text: str, key) -> None:
-    """Text the tokenizer and the UTF-8 writers can take: no lone surrogates (valid in JSON escapes
-    and Python strings, not in UTF-8)."""
-    if text.isascii():  # O(1) in CPython: the common case costs nothing
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RecordError("invalid_unicode", f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start} "
-                                             f"(not encodable as UTF-8)", key=key) from None
-
-
-def _type(v) -> str:
-    return "null" if v is None else type(v).__name__

@@ -29,7 +29,8 @@ from typing import Iterator, Optional, Union
 from astrai.data.errors import InputError, RecordError
 
 SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
-                ".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".ndjson.zst": "jsonl.zst"}
+                ".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz",
+                ".jsonl.zst": "jsonl.zst", ".ndjson.zst": "jsonl.zst"}
 TOO_DEEP = "JSON nested too deeply to parse (over Python's recursion limit)"
 
 
