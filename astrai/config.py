@@ -282,9 +282,6 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     lo, hi = _get(pp, "min_chars"), _get(pp, "max_chars")
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         out.append((("preprocessing", "min_chars"), "min_chars is larger than max_chars: no record could pass"))
-    if mpl is not None and strategy == "none":
-        out.append((("preprocessing", "max_packed_len"), "max_packed_len has no effect with packing_strategy: none; "
-                                                         "set a packing_strategy (simple, bfd, bfd_split) or remove it"))
     out += _tokenizer_problems(data)
     return out
 

@@ -79,7 +79,12 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
         raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
     tok = load_tokenizer(tok_spec, base_dir)
     template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
-    warnings: list[str] = []  # skipped or empty inputs: said, not ignored
+    warnings: list[str] = []  # skipped or empty inputs, ignored settings: said, not ignored
+    pp = pipeline.preprocessing
+    if pp.max_packed_len is not None and pp.packing_strategy == "none":
+        # a warning, not an error: `--set preprocessing.packing_strategy=none` on a packing pipeline is common
+        warnings.append(f"preprocessing.max_packed_len ({pp.max_packed_len}) is ignored with packing_strategy: none "
+                        f"(one document per row); set a packing_strategy to pack")
     files = expand_inputs(inputs, warnings=warnings)  # relative to the working directory (recipes join their base)
     for w in warnings:
         log(f"warning: {w}")

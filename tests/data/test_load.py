@@ -29,7 +29,7 @@ def make(tmp_path, tok, strategy="bfd", n=60):
     pipe = Pipeline.model_validate({
         "version": 1, "chat_template": "chatml",
         "input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
-        "preprocessing": {"packing_strategy": strategy, **({"max_packed_len": 200} if strategy != "none" else {})}})
+        "preprocessing": {"packing_strategy": strategy, "max_packed_len": 200}})
     out = tmp_path / "o"
     run_preprocess(pipe, [str(data)], str(out), tokenizer=str(tok), workers=1, log=lambda s: None)
     return out

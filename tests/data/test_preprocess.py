@@ -45,8 +45,6 @@ def chat_records(n, seed=0, bad_every=0):
 def pipeline(**pp):
     out = pp.pop("output", {})
     on_error = pp.pop("on_error", "skip")
-    if pp.get("packing_strategy", "none") == "none":
-        pp.pop("max_packed_len", None)  # a config error without packing
     return Pipeline.model_validate({
         "version": 1, "chat_template": "chatml",
         "input": {"sections": [{"field": "messages", "action": "$role", "template": True}]},
