@@ -38,10 +38,12 @@ TOO_DEEP = "JSON nested too deeply to parse (over Python's recursion limit)"
 class Partition:
     index: int  # position in the global partition order (names intermediate files and shards)
     file: str
-    kind: str  # jsonl | json | parquet | arrow
+    kind: str  # jsonl | jsonl.gz | jsonl.zst | json | parquet | arrow
     start: int  # jsonl: byte offset; parquet: first row group; arrow/json: 0
     end: int  # jsonl: byte offset (exclusive); parquet: last row group (exclusive); else -1
-    first_line: int = 1  # jsonl: line number of the byte at `start`; parquet: first row number (0-based)
+    # how the first record is located in errors: jsonl: the 1-based line number of the byte at
+    # `start`; parquet: the 0-based row number of its first row group (rows are counted from 0)
+    first_where: int = 1
 
     @property
     def name(self) -> str:
@@ -252,7 +254,7 @@ def read_partition(p: Partition, batch_size: int) -> Iterator[list[Item]]:
 
 
 def _read_jsonl(p: Partition) -> Iterator[Item]:
-    line_no = p.first_line
+    line_no = p.first_where
     with open(p.file, "rb") as fh:
         fh.seek(p.start)
         pos = p.start
@@ -271,7 +273,7 @@ def _read_jsonl(p: Partition) -> Iterator[Item]:
 def _read_jsonl_stream(p: Partition) -> Iterator[Item]:
     """Compressed JSONL, decompressed as a stream (never whole in memory), numbered like JSONL."""
     with _open_stream(p) as fh:
-        for line_no, raw in enumerate(fh, p.first_line):
+        for line_no, raw in enumerate(fh, p.first_where):
             if raw.strip():  # blank lines are not records
                 yield _parse_json_line(raw, str(line_no)), str(line_no)
 
@@ -348,7 +350,7 @@ def _read_parquet(p: Partition) -> Iterator[Item]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(p.file)
-    row = p.first_line
+    row = p.first_where
     if p.end <= p.start:
         return
     for batch in pf.iter_batches(row_groups=list(range(p.start, p.end)), batch_size=1024):

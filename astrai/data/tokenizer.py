@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import re
-import sys
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from astrai.config.pipeline import package_spec_problem
 from astrai.data.errors import InputError
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -36,22 +36,6 @@ def _content(tok) -> Optional[str]:
     if isinstance(tok, dict):
         return tok.get("content")
     return str(tok)
-
-
-_PACKAGE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(-[A-Za-z0-9_]+)*")
-
-
-def package_spec_problem(spec) -> Optional[str]:
-    """Why a `package:NAME` tokenizer value is not acceptable (None if it is, or is not package:)."""
-    if not isinstance(spec, str) or not spec.startswith("package:"):
-        return None
-    name = spec[len("package:"):]
-    if "." in name:
-        return (f"'{spec}': give a top-level package name (e.g. package:{name.split('.')[0]}), not a dotted "
-                f"module path; astrai locates the package's files and never imports it")
-    if not _PACKAGE_NAME.fullmatch(name):
-        return f"'{spec}': '{name}' is not a package name (letters, digits, '_' and '-')"
-    return None
 
 
 def _locate_package(name: str) -> Optional[Path]:

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from astrai.data.errors import RecordError
+from astrai.data.template import REASONING_FIELDS
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -77,6 +78,13 @@ def check_unicode(text: str, key) -> None:
     except UnicodeEncodeError as e:
         raise RecordError("invalid_unicode", f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start} "
                                              f"(not encodable as UTF-8)", key=key) from None
+
+
+def check_message_unicode(m: dict, key: str) -> None:
+    """A message's texts (content, reasoning), each checked with its own key."""
+    for name in ("content",) + REASONING_FIELDS:
+        if isinstance(m.get(name), str):
+            check_unicode(m[name], f"{key}.{name}")
 
 
 def type_name(v) -> str:

@@ -24,7 +24,7 @@ chitchat_dataset = pytest.importorskip("chitchat_dataset")
 
 from astrai.config import Pipeline  # noqa: E402
 from astrai.data.errors import RecordError  # noqa: E402
-from astrai.data.process import Doc, Processor  # noqa: E402
+from astrai.data.process import RecordOutput, Processor  # noqa: E402
 from astrai.data.tokenizer import load_tokenizer  # noqa: E402
 from astrai.schema import IGNORE_INDEX  # noqa: E402
 
@@ -139,8 +139,8 @@ def test_rule_labels_real_conversations_of_every_family(family, chats, metaspace
         if isinstance(res, RecordError):
             rejected_exact += 1
             continue
-        assert isinstance(res, Doc)
-        seq = res.seqs[""]
+        assert isinstance(res, RecordOutput)
+        seq = res.seq()
         assert seq.input_ids.tolist() == ids.tolist()
         assert seq.labels.tolist() == labels.tolist(), family  # never a wrong label
     assert exact >= 0.9 * len(chats), f"{family}: the reference found exact labels for only {exact} records"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from astrai.config import Pipeline, load_pipeline
-from astrai.data.process import Doc, Filtered, Processor
+from astrai.data.process import RecordOutput, Filtered, Processor
 from astrai.data.tokenizer import load_tokenizer
 from astrai.schema import IGNORE_INDEX
 
@@ -33,7 +33,7 @@ def test_empty_assistant_message_is_filtered_by_default(tiny_tokenizer, empty):
     proc = sft(tiny_tokenizer)
     r = proc.process_one(conv("fine thanks", empty))
     assert isinstance(r, Filtered) and r.reason == "empty_message" and "message 3" in r.detail
-    assert isinstance(proc.process_one(conv("fine thanks")), Doc)
+    assert isinstance(proc.process_one(conv("fine thanks")), RecordOutput)
 
 
 def test_empty_message_policies(tiny_tokenizer):
@@ -41,8 +41,8 @@ def test_empty_message_policies(tiny_tokenizer):
     trained = {}
     for policy in ("train", "mask"):
         r = sft(tiny_tokenizer, empty_message=policy).process_one(conv("fine thanks", ""))
-        assert isinstance(r, Doc), policy
-        seq = r.seqs[""]
+        assert isinstance(r, RecordOutput), policy
+        seq = r.seq()
         trained[policy] = [int(i) for i, l in zip(seq.input_ids, seq.labels) if l != IGNORE_INDEX]
     im_end = tok.tok.token_to_id("<|im_end|>") if tok.tok.token_to_id("<|im_end|>") is not None else None
     answer = trained["mask"]
@@ -56,7 +56,7 @@ def test_untrained_empty_messages_and_tool_calls_are_not_empty(tiny_tokenizer):
     proc = sft(tiny_tokenizer)
     r = proc.process_one({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
                                        {"role": "assistant", "content": "fine"}]})
-    assert isinstance(r, Doc)  # an empty system message is not trained: nothing to count
+    assert isinstance(r, RecordOutput)  # an empty system message is not trained: nothing to count
 
 
 def grpo(tok_dir, **pp):
@@ -72,7 +72,7 @@ def test_grpo_completions_end_with_the_end_of_turn_token(tiny_tokenizer, policy)
     rec = {"prompt": [{"role": "user", "content": "say yes"}],
            "completions": [{"text": "yes", "reward": 1.0}, {"text": "no<|im_end|>", "reward": 0.0}]}
     r = proc.process_one(rec)
-    assert isinstance(r, Doc)
+    assert isinstance(r, RecordOutput)
     plain = proc.tok.tok.encode("yes", add_special_tokens=False).ids
     done = proc.tok.tok.encode("no<|im_end|>", add_special_tokens=False).ids
     first, second = r.seqs["completion"]
@@ -114,10 +114,10 @@ def test_think_tags_only_answer_without_generation_prompt(content):
     proc = Processor(pipe, tok)
     r = proc.process_one({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
                                        {"role": "user", "content": "and?"}, {"role": "assistant", "content": content}]})
-    assert isinstance(r, Doc), r
+    assert isinstance(r, RecordOutput), r
     eos = tok.special_tokens_map["eos_token"]
     # by the rule: from the end of the prompt ("[/INST]") to the end-of-turn: the answer as written, then eos
-    assert trained_text(tok, r.seqs[""]) == ["ok" + eos, content + eos]
+    assert trained_text(tok, r.seq()) == ["ok" + eos, content + eos]
 
 
 def test_trained_qwen_system_message_with_tools():
@@ -133,10 +133,10 @@ def test_trained_qwen_system_message_with_tools():
     msgs = [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "Hello."}]
     r = proc.process_one({"messages": msgs, "tools": tools})
-    assert isinstance(r, Doc), r
+    assert isinstance(r, RecordOutput), r
     render = proc.template.render(msgs, tools=tools, special_tokens=proc.special)
     # reference: the system turn as the template renders it, from the end of its header to its end-of-turn
     head = "<|im_start|>system\n"
     system_turn = render[len(head):render.index("<|im_end|>") + len("<|im_end|>")]
     assert "# Tools" in system_turn and render.startswith(head)
-    assert trained_text(tok, r.seqs[""]) == [system_turn, "Hello.<|im_end|>"]
+    assert trained_text(tok, r.seq()) == [system_turn, "Hello.<|im_end|>"]
