@@ -89,10 +89,11 @@ class AttentionBackend(ABC):
         return True, ""
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
-        """RoPE on q [T, Hq, D] and k [T, Hkv, D]; `rope` is the model's table (torch by default)."""
+        """RoPE on q [T, Hq, D] and k [T, Hkv, D]; `rope` is the model's Rotary (its float32 cos/sin tables)."""
         from astrai.model.rope import apply_rotary
 
-        return apply_rotary(q, k, positions, rope)
+        cos, sin = rope.cos_sin(positions)
+        return apply_rotary(q, k, cos, sin)
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.k_cache[layer].index_copy_(0, slots, k)

@@ -70,6 +70,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_admitted_tokens = 0  # len(tokens) of each admission (re-admissions after preemption too)
+        self.num_cached_tokens = 0  # of those, served by the radix cache
 
     # ---- queue ----
     def add(self, req: Request) -> None:
@@ -149,6 +151,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RUNNING
             req.stats.cached_tokens += cached
+            self.num_admitted_tokens += len(req.tokens)
+            self.num_cached_tokens += cached
             self.running.append(req)
             batch.add(req, n)
             budget -= n
