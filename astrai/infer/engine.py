@@ -15,38 +15,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Literal, Optional, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from astrai.infer.backend import select_backend
 from astrai.infer.cache import PagePool, pages_for
 from astrai.infer.chat import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
 from astrai.infer.detokenize import OutputText
 from astrai.infer.kv_storage import KVStorage
+from astrai.infer.options import EngineOptions
 from astrai.infer.request import FINISHED, Request, SamplingParams
 from astrai.infer.runner import ModelRunner
 from astrai.infer.sampling import TokenLogprob, make_generator, sample
 from astrai.infer.scheduler import Scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class EngineOptions(BaseModel):
-    """Memory and batching of the engine (sampling is per request: SamplingParams)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    page_size: int = Field(16, ge=1, description="tokens per KV page (the unit of prefix sharing)")
-    kv_cache_tokens: int = Field(65536, ge=1, description="token slots in the KV pool (rounded up to pages)")
-    max_running: int = Field(64, ge=1, description="most requests decoding together")
-    max_step_tokens: int = Field(2048, ge=1, description="most tokens per forward (longer prompts are chunked)")
-    prefix_cache: bool = Field(True, description="share K/V of common prompt prefixes (radix cache)")
-    device: str = Field("auto", description="auto (cuda when available, else cpu) | cpu | cuda | cuda:N")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on cpu, the checkpoint's dtype on a GPU")
-    chat_template: Optional[str] = Field(None, description="bundled name or .jinja path; default: the tokenizer's")
 
 
 @dataclass
