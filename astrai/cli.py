@@ -17,7 +17,6 @@ from astrai.config import (
 
 NOT_LANDED = {
     "train": "training (pretrain/SFT/DPO/GRPO) has not landed yet",
-    "eval": "evaluation has not landed yet",
 }
 
 
@@ -82,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate_mod.add_arguments(p)
     _add_set(p)
 
+    p = sub.add_parser("eval", help="perplexity on held-out preprocessed data + sample generations -> eval.json")
+    from astrai.infer import eval as eval_mod
+
+    eval_mod.add_arguments(p)
+    _add_set(p)
+
     for verb, why in NOT_LANDED.items():
         p = sub.add_parser(verb, help=f"({why})")
         p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
@@ -115,6 +120,10 @@ def _dispatch(args) -> int:
         return 2
     if args.verb == "generate":
         from astrai.infer.generate import run
+
+        return run(args)
+    if args.verb == "eval":
+        from astrai.infer.eval import run
 
         return run(args)
     if args.verb == "validate":
