@@ -35,7 +35,7 @@ from data import chats  # noqa: E402
 from astrai.data.template import resolve_template  # noqa: E402
 from astrai.data.tokenizer import load_tokenizer, with_added_tokens  # noqa: E402
 from astrai.infer.engine import Engine  # noqa: E402
-from astrai.infer.options import EngineOptions  # noqa: E402
+from astrai.config.infer import EngineOptions  # noqa: E402
 from astrai.infer.request import SamplingParams  # noqa: E402
 from astrai.model import CausalLM, ModelConfig, load_model, save_model  # noqa: E402
 

@@ -19,12 +19,12 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from astrai.config.infer import EngineOptions
 from astrai.infer.backend import select_backend
 from astrai.infer.cache import PagePool, pages_for
 from astrai.infer.chat import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
 from astrai.infer.detokenize import OutputText
 from astrai.infer.kv_storage import KVStorage
-from astrai.infer.options import EngineOptions
 from astrai.infer.request import FINISHED, Request, SamplingParams
 from astrai.infer.runner import ModelRunner
 from astrai.infer.sampling import TokenLogprob, make_generator, sample

@@ -18,24 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from astrai.infer.options import EngineOptions
-
-
-class EvalOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    checkpoint: str = Field(description="checkpoint directory (config.json, safetensors, tokenizer files)")
-    data: str = Field(description="preprocessed held-out directory (manifest.json, data/*.parquet)")
-    output: Optional[str] = Field(None, description="where eval.json goes; default: CHECKPOINT/eval.json")
-    max_rows: Optional[int] = Field(None, ge=1, description="evaluate at most this many rows")
-    batch_tokens: int = Field(8192, ge=1, description="tokens per perplexity forward (whole rows)")
-    samples: int = Field(4, ge=0, description="sample generations for held-out prompts")
-    sample_max_tokens: int = Field(64, ge=1, description="most tokens per sample generation")
-    temperature: float = Field(0.0, ge=0.0, description="sampling temperature of the samples; 0 = greedy")
-    seed: int = Field(0, description="seed of the sample generations")
-    engine: EngineOptions = Field(default_factory=EngineOptions)
+from astrai.config.infer import EvalOptions
 
 
 def run_eval(options: EvalOptions, out=None) -> dict:
@@ -45,6 +28,8 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     from astrai.infer.request import SamplingParams
 
     out = out or sys.stdout
+    if options.checkpoint is None or options.data is None:
+        raise ValueError("eval needs a checkpoint and --data (a preprocessed held-out directory)")
     engine = Engine.from_checkpoint(options.checkpoint, options.engine)
     dataset = ShardDataset(options.data)
     if dataset.multi:
@@ -89,3 +74,20 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_stage(options: EvalOptions, ctx) -> str:
+    """A recipe's `eval:` block: paths relative to the recipe; checkpoint and data default to what the
+    train and preprocess stages of the same run wrote. Returns the eval.json path."""
+    checkpoint = ctx.path(options.checkpoint) if options.checkpoint else _trained_checkpoint(ctx)
+    data = ctx.path(options.data) if options.data else ctx.outputs.get("preprocess")
+    output = ctx.path(options.output) if options.output else str(Path(checkpoint or ".") / "eval.json")
+    run_eval(options.model_copy(update={"checkpoint": checkpoint, "data": data, "output": output}))
+    return output
+
+
+def _trained_checkpoint(ctx) -> Optional[str]:
+    out = ctx.outputs.get("train")
+    if out is not None and (Path(out) / "final" / "config.json").exists():
+        return str(Path(out) / "final")  # a run directory: its final checkpoint
+    return out

@@ -19,40 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from astrai.infer.options import EngineOptions
-from astrai.infer.request import SamplingParams
-
-
-CLI_MAX_TOKENS = 256
-
-
-class GenerateOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    checkpoint: str = Field(description="checkpoint directory: config.json, safetensors, tokenizer files")
-    prompt: Optional[str] = Field(None, description="raw text to continue")
-    chat: Optional[str] = Field(None, description="JSONL file of conversations to answer")
-    input: Optional[str] = Field(None, description="JSONL file of {prompt | messages [, sampling]} records")
-    output: Optional[str] = Field(None, description="write JSONL results here (default: stdout)")
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=CLI_MAX_TOKENS))
-    engine: EngineOptions = Field(default_factory=EngineOptions)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _cli_max_tokens(cls, data):
-        # the command line's default length is longer than the library's (16, vLLM's)
-        if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
-            data["sampling"].setdefault("max_tokens", CLI_MAX_TOKENS)
-        return data
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        given = [k for k in ("prompt", "chat", "input") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of --prompt, --chat, --input (got {', '.join(given) or 'none'})")
-        return self
+from astrai.config.infer import GenerateOptions, SamplingParams
 
 
 def read_jsonl_prompts(path: str, chat_only: bool) -> list[tuple[object, Optional[dict]]]:
@@ -139,3 +106,11 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad options, input lines, a request that cannot fit
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def run_stage(options: GenerateOptions, ctx) -> Optional[str]:
+    """A recipe's `generate:` block: the same options, paths relative to the recipe."""
+    update = {k: ctx.path(getattr(options, k)) for k in ("checkpoint", "chat", "input", "output")
+              if getattr(options, k) is not None}
+    generate_main(options.model_copy(update=update), out=sys.stdout, err=sys.stderr)
+    return update.get("output")

@@ -13,37 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from astrai.config.infer import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-class SamplingParams(BaseModel):
-    """How to pick each next token and when to stop (vLLM's names and meanings where they exist)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_tokens: int = Field(16, ge=1, description="most tokens to generate")
-    temperature: float = Field(1.0, ge=0.0, description="softmax temperature; 0 = greedy (argmax)")
-    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = all")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="keep the smallest set with this total probability")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p * the top probability")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="> 1 discourages tokens already in prompt or output")
-    seed: Optional[int] = Field(None, description="per-request seed: same seed, same output, whatever the batch")
-    stop: list[str] = Field(default_factory=list, description="stop strings (not included in the text)")
-    stop_token_ids: list[int] = Field(default_factory=list, description="stop when one of these ids is sampled")
-    ignore_eos: bool = Field(False, description="keep going past the tokenizer's end-of-sequence token")
-    logprobs: Optional[int] = Field(None, ge=0, description="return the chosen token's logprob and this many top ones")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @model_validator(mode="after")
-    def _no_empty_stop(self):
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        return self
 
 
 @dataclass

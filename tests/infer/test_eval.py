@@ -13,7 +13,7 @@ from astrai.config import Pipeline
 from astrai.data.load import ShardDataset
 from astrai.data.preprocess import run_preprocess
 from astrai.infer.eval import EvalOptions, run_eval
-from astrai.infer.options import EngineOptions
+from astrai.config.infer import EngineOptions
 from astrai.model import CausalLM, ModelConfig, save_model
 from astrai.schema import IGNORE_INDEX
 
@@ -93,3 +93,24 @@ def test_eval_cli(data_and_checkpoint, tmp_path, capsys):
     assert "[eval] perplexity" in capsys.readouterr().out
     assert main(["eval", str(ckpt), "--device", "cpu"]) == 1
     assert "data" in capsys.readouterr().err
+
+
+def test_eval_stage_in_a_recipe(data_and_checkpoint, tmp_path, tiny_tokenizer, capsys):
+    _, ckpt = data_and_checkpoint
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hello"},
+                                                               {"role": "assistant", "content": "hi there"}]}) + "\n")
+    (tmp_path / "pipe.yaml").write_text(
+        f"version: 1\ntokenizer: {tiny_tokenizer}\nchat_template: chatml\n"
+        "input:\n  sections:\n    - {field: messages, action: $role, template: true}\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "version: 1\npreprocess: {pipeline: pipe.yaml, inputs: [d.jsonl], output: data}\n"
+        f"eval: {{checkpoint: {ckpt}, output: out/eval.json, samples: 1, sample_max_tokens: 3,\n"
+        "       engine: {device: cpu}}\n")
+    assert main(["run", str(recipe)]) == 0
+    res = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert res["data"] == str(tmp_path / "data") and res["documents"] == 1 and len(res["samples"]) == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(recipe.read_text().replace("samples: 1", "sample: 1"))
+    assert main(["validate", str(bad)]) == 1
+    assert "sample" in capsys.readouterr().out
