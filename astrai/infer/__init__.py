@@ -15,7 +15,8 @@ The block diagram, one file per box (each file's docstring states what it guaran
       detokenize.py  incremental text, stop strings
       chat.py        prompt text / conversation -> ids with astrai.data's template and tokenizer
     generate.py    `astrai generate`; eval.py + perplexity.py: `astrai eval` (eval.json)
-    options.py, flags.py: option models (torch-free) and the CLI flags read off them
+    flags.py       CLI flags read off the option models (astrai/config/infer.py: SamplingParams,
+                   EngineOptions, GenerateOptions, EvalOptions; torch-free, in the config layer)
 
 NOTE: astrai.infer uses astrai.model and astrai.data, never astrai.train.
 """
