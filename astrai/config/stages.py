@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 from pydantic import Field
 
+from astrai.config.infer import EvalOptions, GenerateOptions
 from astrai.config.loading import StrictModel
 
 
@@ -91,8 +92,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("preprocess", "records -> Parquet shards with exact labels", PreprocessOptions,
           "astrai.data.preprocess.stage:run", "astrai.cli.preprocess", required=True),
     Stage("train", "training (pretrain/SFT/DPO/GRPO)"),
-    Stage("eval", "evaluation"),
-    Stage("generate", "generation"),
+    Stage("eval", "perplexity on held-out preprocessed data + sample generations -> eval.json", EvalOptions,
+          "astrai.infer.eval:run_stage", "astrai.cli.eval"),
+    Stage("generate", "continue text (--prompt) or answer conversations (--chat) with a checkpoint",
+          GenerateOptions, "astrai.infer.generate:run_stage", "astrai.cli.generate"),
 )}
 
 
