@@ -1,0 +1,46 @@
+"""Every kernel source, the template instantiations that are compiled from it, and its budget.
+
+One entry per `.cu` file. An instantiation is looked up by its NVRTC name expression, for example
+`paged_decode_kernel<__half>`, so the mangled name never appears in Python. `max_registers` is the
+per-thread register budget the compile tier (tests/kernels/test_compile.py) enforces for sm_80 and
+sm_90: the attention kernels run 128 threads per block and must keep at least 8 blocks per SM
+resident (65536 / (128 * 64)), so their budget is 64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+# C++ type of each supported torch dtype name, as it appears in a name expression.
+CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+ARCHS = ("sm_80", "sm_90")
+NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    source: str  # file name under astrai/kernels
+    template: str  # kernel name
+    variants: tuple[tuple[str, ...], ...]  # template arguments after the dtype, one tuple per variant
+    max_registers: int
+
+    def name_expression(self, dtype: str, *extra: str) -> str:
+        return f"{self.template}<{', '.join((CTYPES[dtype],) + extra)}>"
+
+    def name_expressions(self) -> list[str]:
+        return [self.name_expression(d, *v) for d in CTYPES for v in self.variants]
+
+
+KERNELS = {
+    "rotary": Kernel("rotary.cu", "rotary_kernel", (("false",), ("true",)), max_registers=40),
+    "kv_write": Kernel("kv_write.cu", "kv_write_kernel", ((),), max_registers=40),
+    "paged_decode": Kernel("paged_decode.cu", "paged_decode_kernel", ((),), max_registers=64),
+    "merge_splits": Kernel("paged_decode.cu", "merge_splits_kernel", ((),), max_registers=40),
+    "paged_prefill": Kernel("paged_prefill.cu", "paged_prefill_kernel", ((),), max_registers=64),
+}
+
+
+def source_text(kernel: Kernel) -> str:
+    return (KERNEL_DIR / kernel.source).read_text()
