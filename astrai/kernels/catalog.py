@@ -44,3 +44,28 @@ KERNELS = {
 
 def source_text(kernel: Kernel) -> str:
     return (KERNEL_DIR / kernel.source).read_text()
+
+
+def cuda_include_dir() -> str | None:
+    """Where cuda_fp16.h / cuda_bf16.h live: the nvidia-cuda-runtime wheel, else CUDA_PATH."""
+    import os
+
+    try:
+        import nvidia
+    except ImportError:
+        nvidia = None
+    for root in list(getattr(nvidia, "__path__", [])):
+        for sub in ("cu13/include", "cuda_runtime/include"):
+            if (Path(root) / sub / "cuda_fp16.h").exists():
+                return str(Path(root) / sub)
+    cuda_path = os.environ.get("CUDA_PATH", "/usr/local/cuda")
+    return str(Path(cuda_path) / "include") if (Path(cuda_path) / "include" / "cuda_fp16.h").exists() else None
+
+
+def compile_options() -> list[str]:
+    """NVRTC options every build uses (CuPy adds -arch itself from the device)."""
+    opts = [*NVRTC_OPTIONS, f"-I{KERNEL_DIR}"]
+    include = cuda_include_dir()
+    if include:
+        opts.append(f"-I{include}")
+    return opts
