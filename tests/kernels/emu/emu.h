@@ -1,0 +1,194 @@
+// A small CUDA execution model for running astrai's .cu sources, unchanged, on the CPU (g++).
+//
+// Blocks run one after another; the threads of a block are cooperative fibers (ucontext) that a
+// scheduler resumes in thread order until each reaches __syncthreads, a warp shuffle or its end.
+// That is deterministic, and it catches what a GPU would only do sometimes:
+//   * a missing barrier: thread 0 runs ahead to its next barrier and reads shared memory the
+//     others have not written yet, which is NaN-poisoned for every block;
+//   * a deadlock, or a divergent barrier (threads waiting at different __syncthreads, or some
+//     exited while others wait), reported with the source line instead of hanging;
+//   * a shuffle across exited lanes.
+// Warp shuffles exchange through a per-warp buffer between two warp barriers. __half and
+// __nv_bfloat16 are 16-bit storage types converted through float with round-to-nearest-even.
+// Global buffers come from emu_alloc, which places each one against a PROT_NONE guard page so an
+// out-of-bounds read faults; the fault is turned into an error for the launch, not a crash.
+// The launcher checks each argument's C type against the kernel's signature.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <csetjmp>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+#include <tuple>
+#include <type_traits>
+#include <ucontext.h>
+#include <unistd.h>
+#include <utility>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+
+// ---- 16-bit float types (storage only; kernels compute in float) ----
+struct __half {
+  uint16_t bits;
+};
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+inline float __half2float(__half h) {
+  _Float16 f;
+  std::memcpy(&f, &h.bits, 2);
+  return (float)f;
+}
+inline __half __float2half_rn(float x) {
+  _Float16 f = (_Float16)x;  // IEEE round-to-nearest-even, like the GPU's cvt.rn.f16.f32
+  __half h;
+  std::memcpy(&h.bits, &f, 2);
+  return h;
+}
+inline __half __float2half(float x) { return __float2half_rn(x); }
+inline float __bfloat162float(__nv_bfloat16 b) {
+  uint32_t u = (uint32_t)b.bits << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  __nv_bfloat16 b;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    b.bits = 0x7fc0;  // NaN stays NaN
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    b.bits = (uint16_t)(u >> 16);
+  }
+  return b;
+}
+inline __nv_bfloat16 __float2bfloat16(float x) { return __float2bfloat16_rn(x); }
+inline float __int_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+
+namespace emu {
+
+enum State { READY, AT_BARRIER, AT_WARP, DONE };
+
+struct Fiber {
+  ucontext_t ctx;
+  dim3 idx;
+  int linear = 0;
+  State state = READY;
+  const char* file = "";
+  int line = 0;
+};
+
+struct Region {
+  char* data;
+  size_t nbytes;
+  char* map;
+  size_t map_len;
+};
+
+struct Runtime {
+  dim3 grid, block, block_idx;
+  std::vector<Fiber> fibers;
+  std::vector<char> stacks;
+  size_t stack_size = 256 * 1024;
+  int current = 0;
+  ucontext_t sched;
+  std::vector<float> smem;  // dynamic shared memory of the running block, NaN-poisoned
+  std::vector<uint64_t> shfl;
+  void (*body)() = nullptr;
+  char* error = nullptr;
+  size_t error_len = 0;
+  bool failed = false;
+  std::vector<Region> regions;
+  sigjmp_buf fault_jmp;
+};
+
+inline Runtime& rt() {
+  static Runtime r;
+  return r;
+}
+inline Fiber& cur() { return rt().fibers[rt().current]; }
+
+inline void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+inline void fail(const char* fmt, ...) {
+  Runtime& r = rt();
+  if (r.failed) return;
+  r.failed = true;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(r.error, r.error_len, fmt, ap);
+  va_end(ap);
+}
+
+inline void yield_to_scheduler() { swapcontext(&cur().ctx, &rt().sched); }
+
+inline void syncthreads(const char* file, int line) {
+  Fiber& f = cur();
+  f.state = AT_BARRIER;
+  f.file = file;
+  f.line = line;
+  yield_to_scheduler();
+}
+
+inline void warp_barrier(const char* file, int line) {
+  Fiber& f = cur();
+  f.state = AT_WARP;
+  f.file = file;
+  f.line = line;
+  yield_to_scheduler();
+}
+
+template <typename T>
+T shfl_xor(T v, int lane_mask, const char* file, int line) {
+  static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
+  Runtime& r = rt();
+  const int me = cur().linear;
+  const int warp = me / 32, lane = me % 32, src = lane ^ (lane_mask & 31);
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  r.shfl[warp * 32 + lane] = bits;
+  warp_barrier(file, line);  // every lane has published its value
+  if (warp * 32 + src >= (int)r.fibers.size()) fail("shuffle from lane %d of a partial warp (%s:%d)", src, file, line);
+  T out;
+  std::memcpy(&out, &r.shfl[warp * 32 + src], sizeof(T));
+  warp_barrier(file, line);  // every lane has read before the buffer is reused
+  return out;
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::cur().idx)
+#define blockIdx (emu::rt().block_idx)
+#define blockDim (emu::rt().block)
+#define gridDim (emu::rt().grid)
+#define __syncthreads() emu::syncthreads(__FILE__, __LINE__)
+#define __shfl_xor_sync(mask, v, lane_mask) emu::shfl_xor((v), (lane_mask), __FILE__, __LINE__)
+#define ASTRAI_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(emu::rt().smem.data())
+
+#include "emu_launch.h"
