@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-# The emulation harness lives next to these tests (it is a test tool, not package code).
-sys.path.insert(0, str(Path(__file__).resolve().parent / "emu"))
+# The emulation harness and the references live next to these tests (test tools, not package code).
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE / "emu"), str(HERE)]
 
 
 @pytest.fixture(scope="session")

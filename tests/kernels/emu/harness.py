@@ -107,51 +107,57 @@ class EmuExecutor:
 
     def run(self, launch: Launch) -> None:
         lib, fn = self._entry(launch)
-        lib.emu_alloc.restype = ctypes.c_void_p
-        lib.emu_alloc.argtypes = [ctypes.c_longlong]
-        lib.emu_free.argtypes = [ctypes.c_void_p]
-        tensors = [a for a in launch.args if isinstance(a, torch.Tensor)]
-        # One guarded copy per storage: views of one buffer must alias in the kernel as on a GPU.
-        buffers: dict[int, list] = {}
-        for t in tensors:
-            if t.device.type != "cpu":
-                raise EmuError(f"the emulator runs on CPU tensors, got one on {t.device}")
-            key = t.untyped_storage().data_ptr()
-            lo, hi = _span(t)
-            if key in buffers:
-                buffers[key][0] = min(buffers[key][0], lo)
-                buffers[key][1] = max(buffers[key][1], hi)
+        invoke(lib, fn, launch)
+
+
+def invoke(lib: ctypes.CDLL, fn, launch: Launch) -> None:
+    """Launch entry `fn` of `lib` with the plan's grid/block/smem/args (see EmuExecutor)."""
+    lib.emu_alloc.restype = ctypes.c_void_p
+    lib.emu_alloc.argtypes = [ctypes.c_longlong]
+    lib.emu_free.argtypes = [ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    tensors = [a for a in launch.args if isinstance(a, torch.Tensor)]
+    # One guarded copy per storage: views of one buffer must alias in the kernel as on a GPU.
+    buffers: dict[int, list] = {}
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise EmuError(f"the emulator runs on CPU tensors, got one on {t.device}")
+        key = t.untyped_storage().data_ptr()
+        lo, hi = _span(t)
+        if key in buffers:
+            buffers[key][0] = min(buffers[key][0], lo)
+            buffers[key][1] = max(buffers[key][1], hi)
+        else:
+            buffers[key] = [lo, hi]
+    guarded = {}
+    try:
+        for key, (lo, hi) in buffers.items():
+            ptr = lib.emu_alloc(hi - lo)
+            ctypes.memmove(ptr, lo, hi - lo)
+            guarded[key] = (ptr, lo, hi)
+        codes, values = [], []
+        for a in launch.args:
+            if isinstance(a, torch.Tensor):
+                if a.dtype not in ARG_CODES:
+                    raise TypeError(f"{launch.name_expression}: tensor dtype {a.dtype} has no C type")
+                ptr, lo, _ = guarded[a.untyped_storage().data_ptr()]
+                codes.append(ARG_CODES[a.dtype])
+                values.append(ptr + a.data_ptr() - lo)
+            elif type(a) in SCALAR_CODES:
+                codes.append(SCALAR_CODES[type(a)])
+                bits = struct.unpack("<I", struct.pack("<f", a))[0] if type(a) is F32 else int(a) & (2**64 - 1)
+                values.append(bits)
             else:
-                buffers[key] = [lo, hi]
-        guarded = {}
-        try:
-            for key, (lo, hi) in buffers.items():
-                ptr = lib.emu_alloc(hi - lo)
-                ctypes.memmove(ptr, lo, hi - lo)
-                guarded[key] = (ptr, lo, hi)
-            codes, values = [], []
-            for a in launch.args:
-                if isinstance(a, torch.Tensor):
-                    if a.dtype not in ARG_CODES:
-                        raise TypeError(f"{launch.name_expression}: tensor dtype {a.dtype} has no C type")
-                    ptr, lo, _ = guarded[a.untyped_storage().data_ptr()]
-                    codes.append(ARG_CODES[a.dtype])
-                    values.append(ptr + a.data_ptr() - lo)
-                elif type(a) in SCALAR_CODES:
-                    codes.append(SCALAR_CODES[type(a)])
-                    bits = struct.unpack("<I", struct.pack("<f", a))[0] if type(a) is F32 else int(a) & (2**64 - 1)
-                    values.append(bits)
-                else:
-                    raise TypeError(f"{launch.name_expression}: argument {a!r} ({type(a).__name__}) is not typed; "
-                                    "wrap scalars in I32/I64/F32 (CuPy passes a bare int as 64-bit)")
-            error = ctypes.create_string_buffer(1024)
-            args = LaunchArgs((ctypes.c_uint * 3)(*launch.grid), (ctypes.c_uint * 3)(*launch.block),
-                              launch.smem, len(codes), (ctypes.c_int * len(codes))(*codes),
-                              (ctypes.c_uint64 * len(values))(*values), ctypes.cast(error, ctypes.c_char_p), 1024)
-            if fn(ctypes.byref(args)):
-                raise EmuError(f"{launch.name_expression}: {error.value.decode()}")
-            for ptr, lo, hi in guarded.values():
-                ctypes.memmove(lo, ptr, hi - lo)
-        finally:
-            for ptr, _, _ in guarded.values():
-                lib.emu_free(ptr)
+                raise TypeError(f"{launch.name_expression}: argument {a!r} ({type(a).__name__}) is not typed; "
+                                "wrap scalars in I32/I64/F32 (CuPy passes a bare int as 64-bit)")
+        error = ctypes.create_string_buffer(1024)
+        args = LaunchArgs((ctypes.c_uint * 3)(*launch.grid), (ctypes.c_uint * 3)(*launch.block),
+                          launch.smem, len(codes), (ctypes.c_int * len(codes))(*codes),
+                          (ctypes.c_uint64 * len(values))(*values), ctypes.cast(error, ctypes.c_char_p), 1024)
+        if fn(ctypes.byref(args)):
+            raise EmuError(f"{launch.name_expression}: {error.value.decode()}")
+        for ptr, lo, hi in guarded.values():
+            ctypes.memmove(lo, ptr, hi - lo)
+    finally:
+        for ptr, _, _ in guarded.values():
+            lib.emu_free(ptr)
