@@ -17,8 +17,6 @@ from astrai.config import (
 
 NOT_LANDED = {
     "train": "training (pretrain/SFT/DPO/GRPO) has not landed yet",
-    "eval": "evaluation has not landed yet",
-    "generate": "generation has not landed yet",
 }
 
 
@@ -77,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="jsonl: tokenizer for decoding [default: the manifest's]")
     _add_set(p)
 
+    p = sub.add_parser("generate", help="continue text (--prompt) or answer conversations (--chat) with a checkpoint")
+    from astrai.infer import generate as generate_mod
+
+    generate_mod.add_arguments(p)
+    _add_set(p)
+
+    p = sub.add_parser("eval", help="perplexity on held-out preprocessed data + sample generations -> eval.json")
+    from astrai.infer import eval as eval_mod
+
+    eval_mod.add_arguments(p)
+    _add_set(p)
+
     for verb, why in NOT_LANDED.items():
         p = sub.add_parser(verb, help=f"({why})")
         p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
@@ -108,6 +118,14 @@ def _dispatch(args) -> int:
     if args.verb in NOT_LANDED:
         print(f"astrai {args.verb}: {NOT_LANDED[args.verb]} in this version.", file=sys.stderr)
         return 2
+    if args.verb == "generate":
+        from astrai.infer.generate import run
+
+        return run(args)
+    if args.verb == "eval":
+        from astrai.infer.eval import run
+
+        return run(args)
     if args.verb == "validate":
         return _validate(args)
     if args.verb == "preprocess":
