@@ -101,19 +101,24 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtyp
 
 
 def rotary_launch(q, k, positions, cos, sin, interleaved: bool) -> Launch:
-    """In-place RoPE on q [T, Hq, D] and k [T, Hkv, D] (views allowed); cos/sin fp32 [max_pos, rot/2]."""
+    """In-place RoPE on q [T, Hq, D] and k [T, Hkv, D] (views allowed).
+
+    cos/sin: fp32 [max_pos, rot_dim / 2] with a contiguous last dim (a column slice of a wider
+    table is fine); every position must be < max_pos (the kernel does not bounds-check).
+    """
     _check_heads("q", q)
     _check_heads("k", k)
     _check(q.dtype == k.dtype and q.dtype in ATTN_DTYPES, f"q/k dtypes {q.dtype}/{k.dtype} not supported")
     _check(q.shape[0] == k.shape[0] == positions.shape[0], "q, k and positions disagree on the token count")
     _check_index("positions", positions, torch.int64, q.device)
     for name, table in (("cos", cos), ("sin", sin)):
-        _check(table.dtype == torch.float32 and table.is_contiguous() and table.dim() == 2,
-               f"{name} must be a contiguous float32 [max_pos, rot_dim / 2] table")
+        _check(table.dtype == torch.float32 and table.dim() == 2 and table.stride(1) == 1,
+               f"{name} must be a float32 [max_pos, rot_dim / 2] table with a contiguous last dim")
+    _check(cos.shape == sin.shape and cos.stride() == sin.stride(), "cos and sin tables differ in shape or strides")
     rot_dim = 2 * cos.shape[1]
     _check(rot_dim <= q.shape[2] and rot_dim <= k.shape[2], f"rotary dims {rot_dim} exceed head_dim")
     variant = "true" if interleaved else "false"
-    args = (q, k, positions, cos, sin, I32(q.shape[1]), I32(k.shape[1]), I32(rot_dim),
+    args = (q, k, positions, cos, sin, I64(cos.stride(0)), I32(q.shape[1]), I32(k.shape[1]), I32(rot_dim),
             I64(q.stride(0)), I64(q.stride(1)), I64(k.stride(0)), I64(k.stride(1)))
     return Launch("rotary", _expr("rotary", q.dtype, variant), (max(q.shape[0], 1), 1, 1),
                   (ELEMENTWISE_THREADS, 1, 1), 0, args)

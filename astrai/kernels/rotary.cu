@@ -1,7 +1,8 @@
 // Fused rotary position embedding, in place on q [T, Hq, D] and k [T, Hkv, D].
 //
-// Token t is rotated by angle table row positions[t]: cos/sin are fp32 [max_pos, rot_dim / 2]
-// (computed on the host, so any RoPE scaling variant is a different table, not a new kernel).
+// Token t is rotated by angle table row positions[t]: cos/sin are fp32 [max_pos, >= rot_dim / 2]
+// with row stride table_stride (computed on the host, so any RoPE scaling variant is a different
+// table, not a new kernel; Hugging Face-style [max_pos, head_dim] tables are read in place).
 // Pair i (0 <= i < rot_dim / 2) is (x[i], x[i + rot_dim / 2]) in the half-split layout of
 // Llama / Hugging Face, or (x[2i], x[2i + 1]) when INTERLEAVED; dims >= rot_dim are untouched.
 // q and k may be strided views into one fused qkv buffer (token and head strides in elements,
@@ -12,14 +13,14 @@ template <typename T, bool INTERLEAVED>
 __global__ void __launch_bounds__(128)
 rotary_kernel(T* __restrict__ q, T* __restrict__ k, const long long* __restrict__ positions,
               const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-              int num_q_heads, int num_kv_heads, int rot_dim, long long q_stride_tok,
+              long long table_stride, int num_q_heads, int num_kv_heads, int rot_dim, long long q_stride_tok,
               long long q_stride_head, long long k_stride_tok, long long k_stride_head) {
   using namespace astrai;
   const int t = blockIdx.x;
   const int half = rot_dim / 2;
   const long long pos = positions[t];
-  const float* cos_row = cos_table + pos * half;
-  const float* sin_row = sin_table + pos * half;
+  const float* cos_row = cos_table + pos * table_stride;
+  const float* sin_row = sin_table + pos * table_stride;
   const int pairs = (num_q_heads + num_kv_heads) * half;
   for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
     const int h = i / half;

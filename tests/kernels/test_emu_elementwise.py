@@ -64,3 +64,16 @@ def test_kv_write_scatters_strided_views_and_skips_negative_slots(emu, dtype):
     v_ref = torch.full_like(v_cache, float("nan")).index_copy_(0, slots[keep], v[keep])
     assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+
+
+def test_rotary_reads_a_hugging_face_table_in_place(emu):
+    """astrai.model.rope keeps [max_pos, head_dim] tables (both halves equal); a column slice is enough."""
+    cos_half, sin_half = rope_tables(64, 32)
+    cos_full, sin_full = torch.cat([cos_half, cos_half], 1), torch.cat([sin_half, sin_half], 1)
+    x = torch.randn(3, 2, 32)
+    q1, k1, q2, k2 = x.clone(), x.clone(), x.clone(), x.clone()
+    pos = torch.tensor([9, 0, 63])
+    L.rotary(q1, k1, pos, cos_half, sin_half, False, emu)
+    L.rotary(q2, k2, pos, cos_full[:, :16], sin_full[:, :16], False, emu)
+    assert torch.equal(q1, q2) and torch.equal(k1, k2)
+    assert (q1 - rotary_ref(x, pos, cos_half, sin_half, False)).abs().max() < 1e-5
