@@ -9,6 +9,7 @@ resident (65536 / (128 * 64)), so their budget is 64.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ KERNEL_DIR = Path(__file__).resolve().parent
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 ARCHS = ("sm_80", "sm_90")
 NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
+_LOCAL_INCLUDE = re.compile(r'\s*#include "([\w.]+)"')
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,27 @@ KERNELS = {
 
 
 def source_text(kernel: Kernel) -> str:
-    return (KERNEL_DIR / kernel.source).read_text()
+    """The kernel's .cu with its local headers ("common.cuh", ...) inlined, each once.
+
+    CuPy keys its on-disk cubin cache on the source text only, so a header edit must change the
+    text it is given; the CPU emulation compiles the files themselves (they are what we ship).
+    """
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        lines = []
+        for line in (KERNEL_DIR / name).read_text().splitlines():
+            m = _LOCAL_INCLUDE.match(line)
+            if m:
+                lines.append(expand(m.group(1)))
+            elif line.strip() != "#pragma once":
+                lines.append(line)
+        return "\n".join(lines) + "\n"
+
+    return expand(kernel.source)
 
 
 def cuda_include_dir() -> str | None:
@@ -64,7 +86,7 @@ def cuda_include_dir() -> str | None:
 
 def compile_options() -> list[str]:
     """NVRTC options every build uses (CuPy adds -arch itself from the device)."""
-    opts = [*NVRTC_OPTIONS, f"-I{KERNEL_DIR}"]
+    opts = list(NVRTC_OPTIONS)
     include = cuda_include_dir()
     if include:
         opts.append(f"-I{include}")

@@ -14,7 +14,6 @@
 namespace astrai {
 
 constexpr int kWarpSize = 32;
-constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

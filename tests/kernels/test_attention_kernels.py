@@ -1,4 +1,4 @@
-"""Semantics tier: paged decode and ragged paged prefill, the real .cu sources run on the CPU emulator,
+"""Semantics tier (and GPU tier, same cases): paged decode and ragged paged prefill, the real .cu sources run on the CPU emulator,
 against float32 references built in paged_ref.py (gathering K/V by hand through the page list).
 
 Unused cache slots are NaN, outputs start NaN, shared memory starts NaN: reading the wrong page,
@@ -39,27 +39,30 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("dtype,head_dim,hq,hkv,page_size,long,num_splits", DECODE_CASES)
-def test_paged_decode_matches_reference(emu, dtype, head_dim, hq, hkv, page_size, long, num_splits):
+def test_paged_decode_matches_reference(target, dtype, head_dim, hq, hkv, page_size, long, num_splits):
     gen = torch.Generator().manual_seed(hash((head_dim, hq, page_size, long)) % 2**31)
     kv_lens = _lens(page_size, long)
     k_cache, v_cache, kv_indptr, pages, slots = paged_cache(kv_lens, page_size, hkv, head_dim, dtype, gen)
     q = torch.randn(len(kv_lens), hq, head_dim, generator=gen).to(dtype)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
-    out = L.decode(q, k_cache, v_cache, kv_indptr, pages, lens, page_size, max(kv_lens), emu, num_splits)
+    out = L.decode(*target.to(q, k_cache, v_cache, kv_indptr, pages, lens), page_size, max(kv_lens),
+                   target.executor, num_splits).cpu()
     for b, n in enumerate(kv_lens):
         ref = attention_ref(q[b:b + 1], k_cache[slots[b]], v_cache[slots[b]], n - 1)[0]
         _check_close(out[b], ref, dtype, f"request {b} (kv_len {n})")
 
 
-def test_decode_reads_q_through_a_fused_qkv_view(emu):
+def test_decode_reads_q_through_a_fused_qkv_view(target):
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, ps = 4, 2, 64, 16
     kv_lens = [5, 40]
     k_cache, v_cache, kv_indptr, pages, slots = paged_cache(kv_lens, ps, hkv, d, torch.float16, gen)
     qkv = torch.randn(2, (hq + 2 * hkv) * d, generator=gen).half()
     q = qkv[:, : hq * d].view(2, hq, d)
-    assert not q.is_contiguous()
-    out = L.decode(q, k_cache, v_cache, kv_indptr, pages, torch.tensor(kv_lens, dtype=torch.int32), ps, 40, emu)
+    q_dev = target.to(qkv)[:, : hq * d].view(2, hq, d)
+    assert not q_dev.is_contiguous()
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    out = L.decode(q_dev, *target.to(k_cache, v_cache, kv_indptr, pages, lens), ps, 40, target.executor).cpu()
     for b, n in enumerate(kv_lens):
         ref = attention_ref(q[b:b + 1], k_cache[slots[b]], v_cache[slots[b]], n - 1)[0]
         _check_close(out[b], ref, torch.float16, f"request {b}")
@@ -75,7 +78,7 @@ PREFILL_CASES = [
 
 
 @pytest.mark.parametrize("dtype,head_dim,hq,hkv,page_size,reqs,tile", PREFILL_CASES)
-def test_ragged_paged_prefill_matches_reference(emu, dtype, head_dim, hq, hkv, page_size, reqs, tile):
+def test_ragged_paged_prefill_matches_reference(target, dtype, head_dim, hq, hkv, page_size, reqs, tile):
     gen = torch.Generator().manual_seed(len(reqs) * 31 + head_dim)
     q_lens = [r[0] for r in reqs]
     kv_lens = [r[1] for r in reqs]
@@ -85,7 +88,8 @@ def test_ragged_paged_prefill_matches_reference(emu, dtype, head_dim, hq, hkv, p
         qo.append(qo[-1] + n)
     q = torch.randn(qo[-1], hq, head_dim, generator=gen).to(dtype)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    out = L.prefill(q, k_cache, v_cache, i32(qo), kv_indptr, pages, i32(kv_lens), page_size, max(q_lens), emu, tile)
+    out = L.prefill(*target.to(q, k_cache, v_cache, i32(qo), kv_indptr, pages, i32(kv_lens)), page_size,
+                    max(q_lens), target.executor, tile).cpu()
     for b, (q_len, kv_len) in enumerate(reqs):
         if q_len == 0:
             continue

@@ -1,4 +1,4 @@
-"""Semantics tier: fused rotary and KV write on the CPU emulator against float32 / index_copy references."""
+"""Semantics tier (and GPU tier, same cases): fused rotary and KV write on the CPU emulator against float32 / index_copy references."""
 
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (64, 32)])
-def test_rotary_in_place_on_fused_qkv_views(emu, dtype, interleaved, head_dim, rot_dim):
+def test_rotary_in_place_on_fused_qkv_views(target, dtype, interleaved, head_dim, rot_dim):
     gen = torch.Generator().manual_seed(head_dim + rot_dim + int(interleaved))
     tokens, hq, hkv = 7, 4, 2
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)
-    before = qkv.clone()
+    before = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)
+    qkv = target.to(before.clone())
     q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
     k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(tokens, hkv, head_dim)
     positions = torch.tensor([0, 5, 3, 1000, 17, 2, 4095])
     cos, sin = rope_tables(4096, rot_dim)
-    L.rotary(q, k, positions, cos, sin, interleaved, emu)
+    L.rotary(q, k, *target.to(positions, cos, sin), interleaved, target.executor)
+    qkv, q, k = qkv.cpu(), q.cpu(), k.cpu()
 
     q_ref = rotary_ref(before[:, : hq * head_dim].view(tokens, hq, head_dim), positions, cos, sin, interleaved)
     k_ref = rotary_ref(before[:, hq * head_dim:(hq + hkv) * head_dim].view(tokens, hkv, head_dim), positions, cos,
@@ -48,16 +49,19 @@ def test_rotary_layouts_differ_and_position_zero_is_identity(emu):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_kv_write_scatters_strided_views_and_skips_negative_slots(emu, dtype):
+def test_kv_write_scatters_strided_views_and_skips_negative_slots(target, dtype):
     gen = torch.Generator().manual_seed(1)
     tokens, hq, hkv, d = 6, 4, 2, 64
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
     k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
     v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
-    k_cache = torch.full((32, hkv, d), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
     slots = torch.tensor([31, 0, -1, 16, 5, 17])
-    L.write_kv(k, v, k_cache, v_cache, slots, emu)
+    qkv_dev = target.to(qkv)
+    k_cache, v_cache = target.to(torch.full((32, hkv, d), float("nan"), dtype=dtype),
+                                 torch.full((32, hkv, d), float("nan"), dtype=dtype))
+    L.write_kv(qkv_dev[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d), qkv_dev[:, (hq + hkv) * d:].view(tokens, hkv, d),
+               k_cache, v_cache, target.to(slots), target.executor)
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
 
     keep = slots >= 0
     k_ref = torch.full_like(k_cache, float("nan")).index_copy_(0, slots[keep], k[keep])
