@@ -19,9 +19,11 @@ class KernelAttention:
         self.k_cache, self.v_cache, self.executor = k_cache, v_cache, executor
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
-        """In place on q, k (returned for the caller's convenience). `rope` is astrai.model.rope.Rotary."""
-        if positions.numel():
-            rope.cos_sin(positions[positions.argmax()].reshape(1))  # grows the table to cover every position
+        """In place on q, k (returned for the caller's convenience). `rope` is astrai.model.rope.Rotary.
+
+        Its table already covers max_position_embeddings, which bounds every position the engine
+        schedules; the kernel writes NaN for a position outside it rather than synchronising here.
+        """
         cos, sin = rope.table(q.device)
         half = rope.inv_freq.shape[0]  # rotary pairs; both halves of HF-style tables are equal
         kernels.rotary(q, k, positions.long(), cos[:, :half], sin[:, :half], getattr(rope, "interleaved", False),

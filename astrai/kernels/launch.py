@@ -104,7 +104,7 @@ def rotary_launch(q, k, positions, cos, sin, interleaved: bool) -> Launch:
     """In-place RoPE on q [T, Hq, D] and k [T, Hkv, D] (views allowed).
 
     cos/sin: fp32 [max_pos, rot_dim / 2] with a contiguous last dim (a column slice of a wider
-    table is fine); every position must be < max_pos (the kernel does not bounds-check).
+    table is fine). A position outside [0, max_pos) yields NaN for that token (no out-of-bounds read).
     """
     _check_heads("q", q)
     _check_heads("k", k)
@@ -118,7 +118,7 @@ def rotary_launch(q, k, positions, cos, sin, interleaved: bool) -> Launch:
     rot_dim = 2 * cos.shape[1]
     _check(rot_dim <= q.shape[2] and rot_dim <= k.shape[2], f"rotary dims {rot_dim} exceed head_dim")
     variant = "true" if interleaved else "false"
-    args = (q, k, positions, cos, sin, I64(cos.stride(0)), I32(q.shape[1]), I32(k.shape[1]), I32(rot_dim),
+    args = (q, k, positions, cos, sin, I64(cos.stride(0)), I64(cos.shape[0]), I32(q.shape[1]), I32(k.shape[1]), I32(rot_dim),
             I64(q.stride(0)), I64(q.stride(1)), I64(k.stride(0)), I64(k.stride(1)))
     return Launch("rotary", _expr("rotary", q.dtype, variant), (max(q.shape[0], 1), 1, 1),
                   (ELEMENTWISE_THREADS, 1, 1), 0, args)
@@ -175,6 +175,9 @@ def decode_launches(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, page_
         split_len = max(ATTN_TILE, math.ceil(math.ceil(max(max_kv_len, 1) / num_splits) / ATTN_TILE) * ATTN_TILE)
         splits = max(1, math.ceil(max_kv_len / split_len))
     group = hq // hkv
+    smem = attn_smem_bytes(group, head_dim)
+    _check(smem <= MAX_ATTN_SMEM, f"{group} query heads per KV head at head_dim {head_dim} need {smem} B of shared "
+                                  f"memory per block, above {MAX_ATTN_SMEM}")
     if splits > 1:
         part = executor.empty((batch, hq, splits, head_dim), torch.float32, q.device)
         lse = executor.empty((batch, hq, splits), torch.float32, q.device)
@@ -184,7 +187,7 @@ def decode_launches(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, page_
     args = (q, I64(q.stride(0)), I64(q.stride(1)), k_cache, v_cache, kv_indptr, page_indices, kv_lens, out,
             part, lse, I32(hq), I32(hkv), I32(head_dim), I32(page_size), I32(split_len), scale_log2)
     launches = [Launch("paged_decode", _expr("paged_decode", q.dtype), (splits, hkv, max(batch, 1)),
-                       (ATTN_THREADS, 1, 1), attn_smem_bytes(group, head_dim), args)]
+                       (ATTN_THREADS, 1, 1), smem, args)]
     if splits > 1:
         launches.append(Launch("merge_splits", _expr("merge_splits", q.dtype), (batch * hq, 1, 1),
                                (ATTN_THREADS, 1, 1), 0, (part, lse, out, I32(splits), I32(head_dim))))

@@ -81,3 +81,10 @@ def test_rotary_reads_a_hugging_face_table_in_place(emu):
     L.rotary(q2, k2, pos, cos_full[:, :16], sin_full[:, :16], False, emu)
     assert torch.equal(q1, q2) and torch.equal(k1, k2)
     assert (q1 - rotary_ref(x, pos, cos_half, sin_half, False)).abs().max() < 1e-5
+
+
+def test_rotary_position_outside_the_table_is_nan_not_a_wild_read(emu):
+    cos, sin = rope_tables(8, 16)
+    q, k = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    L.rotary(q, k, torch.tensor([3, 8]), cos, sin, False, emu)
+    assert not torch.isnan(q[0]).any() and torch.isnan(q[1]).all() and torch.isnan(k[1]).all()
