@@ -104,3 +104,30 @@ def test_plan_splits_fills_the_machine_and_respects_the_minimum():
     splits, split_len = L.plan_splits(64, 8, 8192, 132)  # 512 blocks already fill 132 SMs
     assert splits == 1
     assert L.plan_splits(2, 2, 0, 132)[0] == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_gqa_head_dim_page_size_sweep(target, group, head_dim, page_size):
+    """Every GQA ratio 1-8 x head dims x page sizes, decode (split) and prefill with a cached prefix."""
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim + page_size)
+    hkv, dtype = 2, torch.float16
+    hq = hkv * group
+    reqs = [(1, page_size + 1), (page_size + 2, 2 * page_size + 3), (3, 3)]
+    kv_lens = [r[1] for r in reqs]
+    k_cache, v_cache, kv_indptr, pages, slots = paged_cache(kv_lens, page_size, hkv, head_dim, dtype, gen)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    q = torch.randn(len(reqs), hq, head_dim, generator=gen).to(dtype)
+    out = L.decode(*target.to(q, k_cache, v_cache, kv_indptr, pages, i32(kv_lens)), page_size, max(kv_lens),
+                   target.executor, num_splits=2).cpu()
+    for b, n in enumerate(kv_lens):
+        ref = attention_ref(q[b:b + 1], k_cache[slots[b]], v_cache[slots[b]], n - 1)[0]
+        _check_close(out[b], ref, dtype, f"decode request {b}")
+    qo = [0, 1, 1 + page_size + 2, 1 + page_size + 2 + 3]
+    qp = torch.randn(qo[-1], hq, head_dim, generator=gen).to(dtype)
+    out = L.prefill(*target.to(qp, k_cache, v_cache, i32(qo), kv_indptr, pages, i32(kv_lens)), page_size,
+                    max(r[0] for r in reqs), target.executor).cpu()
+    for b, (q_len, kv_len) in enumerate(reqs):
+        ref = attention_ref(qp[qo[b]:qo[b + 1]], k_cache[slots[b]], v_cache[slots[b]], kv_len - q_len)
+        _check_close(out[qo[b]:qo[b + 1]], ref, dtype, f"prefill request {b}")
