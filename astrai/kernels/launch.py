@@ -69,7 +69,7 @@ def _expr(kernel: str, dtype: torch.dtype, *extra: str) -> str:
 
 def attn_smem_bytes(row_cap: int, head_dim: int) -> int:
     """Bytes of the layout carve_attn_smem (paged_attention.cuh) makes for row_cap rows."""
-    floats = 2 * row_cap * head_dim + ATTN_TILE * (2 * head_dim + 1) + row_cap * ATTN_TILE + 4 * row_cap
+    floats = 2 * row_cap * head_dim + ATTN_TILE * (2 * head_dim + 4) + row_cap * ATTN_TILE + 4 * row_cap
     return 4 * floats
 
 

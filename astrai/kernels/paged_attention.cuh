@@ -14,10 +14,15 @@ namespace astrai {
 constexpr int kAttnThreads = 128;
 constexpr int kAttnTile = 32;  // one lane per K/V position in the softmax step, so = warp size
 static_assert(kAttnTile == kWarpSize, "softmax step maps one lane to one K/V position");
+// Register tiles: a thread scores one position for kScoreRows rows, and accumulates kAccRows rows
+// x 4 dims of the output, so each shared-memory float4 read feeds several FMAs (the naive one-pair-
+// per-thread loops issue two shared loads per FMA and are shared-memory bound, not DRAM bound).
+constexpr int kScoreRows = 2;
+constexpr int kAccRows = 2;
 
 struct AttnSmem {
   float* q;      // [rows, D]   queries, pre-scaled by softmax_scale * log2(e)
-  float* k;      // [tile, D+1] padded: lanes read different positions at the same d
+  float* k;      // [tile, D+4] padded: lanes read float4s of different positions without conflicts
   float* v;      // [tile, D]
   float* p;      // [rows, tile] scores, then probabilities
   float* acc;    // [rows, D]   unnormalised output
@@ -31,7 +36,7 @@ __device__ __forceinline__ AttnSmem carve_attn_smem(float* base, int row_cap, in
   AttnSmem s;
   s.q = base;
   s.k = s.q + row_cap * head_dim;
-  s.v = s.k + kAttnTile * (head_dim + 1);
+  s.v = s.k + kAttnTile * (head_dim + 4);
   s.p = s.v + kAttnTile * head_dim;
   s.acc = s.p + row_cap * kAttnTile;
   s.m = s.acc + row_cap * head_dim;
@@ -53,7 +58,8 @@ __device__ void attend_paged(const T* __restrict__ k_cache, const T* __restrict_
   const int lane = tid % kWarpSize;
   const int warp = tid / kWarpSize;
   const int vecs_per_pos = head_dim / kVec;
-  const int k_stride = head_dim + 1;
+  const int k_stride = head_dim + 4;
+  const int d4_count = head_dim / 4;
 
   for (int r = tid; r < rows; r += kAttnThreads) {
     s.m[r] = neg_inf();
@@ -79,25 +85,41 @@ __device__ void attend_paged(const T* __restrict__ k_cache, const T* __restrict_
         for (int j = 0; j < kVec; ++j) kx[j] = vx[j] = 0.f;
       }
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        s.k[t * k_stride + c + j] = kx[j];
-        s.v[t * head_dim + c + j] = vx[j];
+      for (int j = 0; j < kVec; j += 4) {
+        *reinterpret_cast<float4*>(s.k + t * k_stride + c + j) = make_float4(kx[j], kx[j + 1], kx[j + 2], kx[j + 3]);
+        *reinterpret_cast<float4*>(s.v + t * head_dim + c + j) = make_float4(vx[j], vx[j + 1], vx[j + 2], vx[j + 3]);
       }
     }
     __syncthreads();
 
-    for (int i = tid; i < rows * kAttnTile; i += kAttnThreads) {
-      const int r = i / kAttnTile;
-      const int pos = t0 + i % kAttnTile;
-      float score = neg_inf();
-      if (pos < kv_end && pos <= s.limit[r]) {
-        const float* qr = s.q + r * head_dim;
-        const float* kr = s.k + (i % kAttnTile) * k_stride;
-        float dot = 0.f;
-        for (int d = 0; d < head_dim; ++d) dot = fmaf(qr[d], kr[d], dot);
-        score = dot;
+    // Scores: item = (block of kScoreRows rows, position). Lanes of a warp take 32 positions of
+    // the same rows: k reads are spread over banks by the padding, q reads are broadcasts.
+    const int score_blocks = (rows + kScoreRows - 1) / kScoreRows;
+    for (int i = tid; i < score_blocks * kAttnTile; i += kAttnThreads) {
+      const int t = i % kAttnTile;
+      const int r0 = (i / kAttnTile) * kScoreRows;
+      const int pos = t0 + t;
+      const float4* kr = reinterpret_cast<const float4*>(s.k + t * k_stride);
+      const float4* qr[kScoreRows];
+      float dot[kScoreRows];
+#pragma unroll
+      for (int j = 0; j < kScoreRows; ++j) {
+        qr[j] = reinterpret_cast<const float4*>(s.q + min(r0 + j, rows - 1) * head_dim);
+        dot[j] = 0.f;
       }
-      s.p[i] = score;
+      for (int d4 = 0; d4 < d4_count; ++d4) {
+        const float4 kv = kr[d4];
+#pragma unroll
+        for (int j = 0; j < kScoreRows; ++j) {
+          const float4 qv = qr[j][d4];
+          dot[j] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, dot[j]))));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kScoreRows; ++j) {
+        const int r = r0 + j;
+        if (r < rows) s.p[r * kAttnTile + t] = (pos < kv_end && pos <= s.limit[r]) ? dot[j] : neg_inf();
+      }
     }
     __syncthreads();
 
@@ -119,14 +141,40 @@ __device__ void attend_paged(const T* __restrict__ k_cache, const T* __restrict_
     }
     __syncthreads();
 
-    for (int i = tid; i < rows * head_dim; i += kAttnThreads) {
-      const int r = i / head_dim;
-      const int d = i % head_dim;
-      const float* pr = s.p + r * kAttnTile;
-      float a = s.acc[i] * s.alpha[r];
-#pragma unroll 8
-      for (int t = 0; t < kAttnTile; ++t) a = fmaf(pr[t], s.v[t * head_dim + d], a);
-      s.acc[i] = a;
+    // Output: item = (block of kAccRows rows, 4 dims). Lanes take consecutive float4 columns:
+    // v reads are contiguous, p reads are broadcasts.
+    const int acc_blocks = (rows + kAccRows - 1) / kAccRows;
+    for (int i = tid; i < acc_blocks * d4_count; i += kAttnThreads) {
+      const int d = (i % d4_count) * 4;
+      const int r0 = (i / d4_count) * kAccRows;
+      float4 a[kAccRows];
+      const float* pr[kAccRows];
+#pragma unroll
+      for (int j = 0; j < kAccRows; ++j) {
+        const int r = min(r0 + j, rows - 1);
+        const float alpha = s.alpha[r];
+        a[j] = *reinterpret_cast<const float4*>(s.acc + r * head_dim + d);
+        a[j].x *= alpha;
+        a[j].y *= alpha;
+        a[j].z *= alpha;
+        a[j].w *= alpha;
+        pr[j] = s.p + r * kAttnTile;
+      }
+#pragma unroll 2
+      for (int t = 0; t < kAttnTile; ++t) {
+        const float4 vv = *reinterpret_cast<const float4*>(s.v + t * head_dim + d);
+#pragma unroll
+        for (int j = 0; j < kAccRows; ++j) {
+          const float p = pr[j][t];
+          a[j].x = fmaf(p, vv.x, a[j].x);
+          a[j].y = fmaf(p, vv.y, a[j].y);
+          a[j].z = fmaf(p, vv.z, a[j].z);
+          a[j].w = fmaf(p, vv.w, a[j].w);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kAccRows; ++j)
+        if (r0 + j < rows) *reinterpret_cast<float4*>(s.acc + (r0 + j) * head_dim + d) = a[j];
     }
     __syncthreads();  // the next tile overwrites k, v and p
   }
