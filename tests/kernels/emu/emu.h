@@ -19,6 +19,7 @@
 #include <cstdarg>
 #include <csetjmp>
 #include <csignal>
+#include <pthread.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -131,13 +132,22 @@ struct Runtime {
   bool failed = false;
   std::vector<Region> regions;
   sigjmp_buf fault_jmp;
+  pthread_barrier_t block_barrier;
+  std::vector<pthread_barrier_t> warp_barriers;
 };
 
 inline Runtime& rt() {
   static Runtime r;
   return r;
 }
+#ifdef EMU_THREADS
+// Real-thread mode (for ThreadSanitizer / AddressSanitizer builds): one OS thread per CUDA
+// thread, __syncthreads and warp exchanges as pthread barriers, which the sanitizers understand.
+inline thread_local int tl_thread = -1;
+inline Fiber& cur() { return rt().fibers[tl_thread]; }
+#else
 inline Fiber& cur() { return rt().fibers[rt().current]; }
+#endif
 
 inline void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 inline void fail(const char* fmt, ...) {
@@ -153,6 +163,11 @@ inline void fail(const char* fmt, ...) {
 inline void yield_to_scheduler() { swapcontext(&cur().ctx, &rt().sched); }
 
 inline void syncthreads(const char* file, int line) {
+#ifdef EMU_THREADS
+  (void)file, (void)line;
+  pthread_barrier_wait(&rt().block_barrier);
+  return;
+#endif
   Fiber& f = cur();
   f.state = AT_BARRIER;
   f.file = file;
@@ -161,6 +176,11 @@ inline void syncthreads(const char* file, int line) {
 }
 
 inline void warp_barrier(const char* file, int line) {
+#ifdef EMU_THREADS
+  (void)file, (void)line;
+  pthread_barrier_wait(&rt().warp_barriers[cur().linear / 32]);
+  return;
+#endif
   Fiber& f = cur();
   f.state = AT_WARP;
   f.file = file;

@@ -145,6 +145,35 @@ inline void run_block() {
   }
 }
 
+#ifdef EMU_THREADS
+inline void* thread_main(void* arg) {
+  tl_thread = (int)(intptr_t)arg;
+  rt().body();
+  return nullptr;
+}
+
+inline void run_block_threads() {
+  Runtime& r = rt();
+  const int n = (int)r.fibers.size();
+  std::fill(r.smem.begin(), r.smem.end(), std::nanf(""));
+  pthread_barrier_init(&r.block_barrier, nullptr, (unsigned)n);
+  r.warp_barriers.resize((size_t)(n + 31) / 32);
+  for (int w = 0; w * 32 < n; ++w) pthread_barrier_init(&r.warp_barriers[w], nullptr, (unsigned)std::min(32, n - w * 32));
+  std::vector<pthread_t> threads((size_t)n);
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = r.fibers[i];
+    f.linear = i;
+    f.idx.x = i % r.block.x;
+    f.idx.y = (i / r.block.x) % r.block.y;
+    f.idx.z = i / (r.block.x * r.block.y);
+  }
+  for (int i = 0; i < n; ++i) pthread_create(&threads[i], nullptr, thread_main, (void*)(intptr_t)i);
+  for (int i = 0; i < n; ++i) pthread_join(threads[i], nullptr);
+  pthread_barrier_destroy(&r.block_barrier);
+  for (auto& b : r.warp_barriers) pthread_barrier_destroy(&b);
+}
+#endif
+
 inline Region* region_of(const char* addr) {
   for (Region& g : rt().regions)
     if (addr >= g.map && addr < g.map + g.map_len) return &g;
@@ -216,6 +245,15 @@ int launch(void (*kernel)(Args...), const LaunchArgs* a) {
   r.smem.assign((size_t)(a->smem_bytes + 3) / 4, 0.f);
   r.shfl.assign((threads + 31) / 32 * 32, 0);
 
+#ifdef EMU_THREADS
+  for (unsigned z = 0; z < r.grid.z; ++z)
+    for (unsigned y = 0; y < r.grid.y; ++y)
+      for (unsigned x = 0; x < r.grid.x; ++x) {
+        r.block_idx = dim3{x, y, z};
+        run_block_threads();
+      }
+  return r.failed ? 1 : 0;
+#endif
   struct sigaction act {}, old_segv {}, old_bus {};
   act.sa_sigaction = on_fault;
   act.sa_flags = SA_SIGINFO | SA_ONSTACK;
