@@ -45,7 +45,9 @@ def module_for(kernel: str, ctype: str, arch: str):
 
 class CupyExecutor:
     def __init__(self, device: torch.device):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        # "cuda" and "cuda:0" must compare equal against the tensors' devices
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         self.arch = f"sm_{props.major}{props.minor}"
@@ -58,7 +60,7 @@ class CupyExecutor:
         fn = self._functions.get(launch.name_expression)
         if fn is None:
             ctype = next(c for c in CTYPES.values() if f"<{c}" in launch.name_expression)
-            with _cupy().cuda.Device(self.device.index or 0):
+            with _cupy().cuda.Device(self.device.index):
                 fn = module_for(launch.kernel, ctype, self.arch).get_function(launch.name_expression)
             self._functions[launch.name_expression] = fn
         if launch.smem > _DEFAULT_SMEM and fn.max_dynamic_shared_size_bytes < launch.smem:
@@ -79,5 +81,5 @@ class CupyExecutor:
         fn = self._function(launch)
         args = tuple(self._arg(a) for a in launch.args)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        with cupy.cuda.Device(self.device.index or 0), cupy.cuda.ExternalStream(stream):
+        with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream):
             fn(launch.grid, launch.block, args, shared_mem=launch.smem)
