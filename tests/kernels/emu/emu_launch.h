@@ -49,7 +49,7 @@ template <typename T> T unpack(uint64_t bits) {
 inline void fiber_main() {
   rt().body();
   cur().state = DONE;
-  swapcontext(&cur().ctx, &rt().sched);
+  yield_to_scheduler();  // never resumed
 }
 
 inline const char* state_name(State s) {
@@ -127,17 +127,35 @@ inline void run_block() {
     f.idx.x = i % r.block.x;
     f.idx.y = (i / r.block.x) % r.block.y;
     f.idx.z = i / (r.block.x * r.block.y);
+    f.shuffles = 0;
+    char* stack = r.stacks.data() + (size_t)i * r.stack_size;
+#ifdef EMU_FAST_SWITCH
+    // The frame emu_switch pops: control words, six registers, then "returns" into fiber_main
+    // with the stack aligned as after a call.
+    uintptr_t top = ((uintptr_t)(stack + r.stack_size)) & ~(uintptr_t)15;
+    void** sp = reinterpret_cast<void**>(top);
+    *--sp = nullptr;                                    // fiber_main's (never used) return address
+    *--sp = reinterpret_cast<void*>(&fiber_main);
+    for (int k = 0; k < 6; ++k) *--sp = nullptr;        // rbp rbx r12 r13 r14 r15
+    *--sp = reinterpret_cast<void*>((uintptr_t)0x037F00001F80ull);  // MXCSR default, x87 CW default
+    f.sp = sp;
+#else
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = r.stacks.data() + (size_t)i * r.stack_size;
+    f.ctx.uc_stack.ss_sp = stack;
     f.ctx.uc_stack.ss_size = r.stack_size;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
+#endif
   }
   while (!r.failed) {
     for (int i = 0; i < n && !r.failed; ++i) {
       if (r.fibers[i].state != READY) continue;
       r.current = i;
+#ifdef EMU_FAST_SWITCH
+      emu_switch(&r.sched_sp, r.fibers[i].sp);
+#else
       swapcontext(&r.sched, &r.fibers[i].ctx);
+#endif
     }
     bool all_done = true;
     for (const Fiber& f : r.fibers) all_done &= f.state == DONE;
@@ -156,20 +174,22 @@ inline void run_block_threads() {
   Runtime& r = rt();
   const int n = (int)r.fibers.size();
   std::fill(r.smem.begin(), r.smem.end(), std::nanf(""));
-  pthread_barrier_init(&r.block_barrier, nullptr, (unsigned)n);
-  r.warp_barriers.resize((size_t)(n + 31) / 32);
-  for (int w = 0; w * 32 < n; ++w) pthread_barrier_init(&r.warp_barriers[w], nullptr, (unsigned)std::min(32, n - w * 32));
+  for (auto& b : r.block_barriers) pthread_barrier_init(&b, nullptr, (unsigned)n);
+  r.warp_barriers.resize(2 * ((size_t)(n + 31) / 32));
+  for (size_t w = 0; w < r.warp_barriers.size(); ++w)
+    pthread_barrier_init(&r.warp_barriers[w], nullptr, (unsigned)std::min(32, n - (int)(w / 2) * 32));
   std::vector<pthread_t> threads((size_t)n);
   for (int i = 0; i < n; ++i) {
     Fiber& f = r.fibers[i];
     f.linear = i;
+    f.syncs = f.warp_syncs = f.shuffles = 0;
     f.idx.x = i % r.block.x;
     f.idx.y = (i / r.block.x) % r.block.y;
     f.idx.z = i / (r.block.x * r.block.y);
   }
   for (int i = 0; i < n; ++i) pthread_create(&threads[i], nullptr, thread_main, (void*)(intptr_t)i);
   for (int i = 0; i < n; ++i) pthread_join(threads[i], nullptr);
-  pthread_barrier_destroy(&r.block_barrier);
+  for (auto& b : r.block_barriers) pthread_barrier_destroy(&b);
   for (auto& b : r.warp_barriers) pthread_barrier_destroy(&b);
 }
 #endif
@@ -243,7 +263,7 @@ int launch(void (*kernel)(Args...), const LaunchArgs* a) {
   r.fibers.assign(threads, Fiber{});
   if (r.stacks.size() < threads * r.stack_size) r.stacks.resize(threads * r.stack_size);
   r.smem.assign((size_t)(a->smem_bytes + 3) / 4, 0.f);
-  r.shfl.assign((threads + 31) / 32 * 32, 0);
+  r.shfl.assign(2 * ((threads + 31) / 32 * 32), 0);  // two alternating exchange buffers
 
 #ifdef EMU_THREADS
   for (unsigned z = 0; z < r.grid.z; ++z)
