@@ -24,10 +24,13 @@ from astrai.kernels.cupy_exec import CupyExecutor
 
 
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """GPU milliseconds per call, without the host's launch overhead: a sleep kernel keeps the GPU
+    busy while Python enqueues every iteration, so the events time back-to-back kernels only."""
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # ~25 ms at 2 GHz: longer than enqueuing `iters` calls
     start.record()
     for _ in range(iters):
         fn()
