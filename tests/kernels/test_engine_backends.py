@@ -103,3 +103,9 @@ def test_engine_greedy_on_cuda_equals_torch_backend(page_size, dtype):
     else:  # bf16 rounding differs between SDPA and the kernels: allow a late divergence at a near-tie
         agree = sum(a[:8] == b[:8] for a, b in zip(outs["cuda"], outs["torch"]))
         assert agree >= len(prompts) - 1, outs
+
+
+def test_a_head_dim_the_kernels_cannot_serve_is_refused_up_front(emu):
+    caches = [torch.zeros(16, 2, 12)]
+    with pytest.raises(BackendUnavailable, match="head_dim multiples of 8 up to 256, not 12"):
+        CudaBackend(caches, caches, executor=emu)

@@ -2,16 +2,16 @@
 
 Fused in-place RoPE, a scatter KV write, ragged paged prefill and split-KV paged decode, all on the
 engine's paged cache and AttentionMeta directly (no gather of K/V into a dense copy). Chosen
-automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there; the
-kernels' own checks raise a ValueError for shapes they do not serve (head_dim not a multiple of 8
-or above 256).
+automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there; a
+head_dim the kernels do not serve (not a multiple of 8, or above 256) raises BackendUnavailable
+when the backend is built, with the way out.
 """
 
 from __future__ import annotations
 
 import torch
 
-from astrai.infer.backend import AttentionBackend, AttentionMeta
+from astrai.infer.backend import ENV_VAR, AttentionBackend, AttentionMeta, BackendUnavailable
 from astrai.kernels.attention import KernelAttention
 from astrai.kernels.launch import ATTN_DTYPES
 
@@ -21,6 +21,10 @@ class CudaBackend(AttentionBackend):
 
     def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], executor=None):
         super().__init__(k_cache, v_cache)
+        head_dim = k_cache[0].shape[-1] if k_cache else 0
+        if head_dim % 8 or not 0 < head_dim <= 256:
+            raise BackendUnavailable(f"the cuda kernels serve head_dim multiples of 8 up to 256, not {head_dim}; "
+                                     f"use {ENV_VAR}=torch")
         if executor is None:
             from astrai.kernels.cupy_exec import CupyExecutor
 
