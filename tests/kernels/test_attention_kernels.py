@@ -131,3 +131,23 @@ def test_gqa_head_dim_page_size_sweep(target, group, head_dim, page_size):
     for b, (q_len, kv_len) in enumerate(reqs):
         ref = attention_ref(qp[qo[b]:qo[b + 1]], k_cache[slots[b]], v_cache[slots[b]], kv_len - q_len)
         _check_close(out[qo[b]:qo[b + 1]], ref, dtype, f"prefill request {b}")
+
+
+def test_automatic_split_plan_on_a_wide_machine(emu):
+    """The executor's SM count drives plan_splits: on a 64-SM machine a 700-token request splits in 3."""
+    from harness import EmuExecutor
+
+    wide = EmuExecutor()
+    wide.num_sms = 64
+    gen = torch.Generator().manual_seed(8)
+    kv_lens = [700, 5]
+    k_cache, v_cache, kv_indptr, pages, slots = paged_cache(kv_lens, 16, 1, 64, torch.float16, gen)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    plan = L.decode_launches(q, k_cache, v_cache, kv_indptr, pages, lens, 16, 700, wide.empty(q.shape, q.dtype, "cpu"),
+                             wide)
+    assert [launch.kernel for launch in plan] == ["paged_decode", "merge_splits"] and plan[0].grid[0] == 3
+    out = L.decode(q, k_cache, v_cache, kv_indptr, pages, lens, 16, 700, wide)
+    for b, n in enumerate(kv_lens):
+        _check_close(out[b], attention_ref(q[b:b + 1], k_cache[slots[b]], v_cache[slots[b]], n - 1)[0],
+                     torch.float16, f"request {b}")
