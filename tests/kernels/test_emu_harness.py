@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from astrai.kernels import launch as L
 from astrai.kernels.catalog import KERNEL_DIR
-from harness import EmuError, EmuExecutor, build, invoke
+from harness import EmuError, EmuExecutor, build, invoke, kernel_copy
 from paged_ref import attention_ref, paged_cache
 
 
@@ -21,19 +19,8 @@ def _decode_case(page_size=16, kv_lens=(40, 75)):
     return q, k_cache, v_cache, kv_indptr, pages, torch.tensor(kv_lens, dtype=torch.int32), slots
 
 
-def _planted(tmp_path, old: str, new: str) -> EmuExecutor:
-    """An executor over a copy of astrai/kernels with `old` replaced once in paged_attention.cuh."""
-    for f in KERNEL_DIR.glob("*.cu*"):
-        shutil.copy(f, tmp_path / f.name)
-    path = tmp_path / "paged_attention.cuh"
-    text = path.read_text()
-    assert text.count(old) >= 1
-    path.write_text(text.replace(old, new, 1))
-    return EmuExecutor(kernel_dir=tmp_path)
-
-
-def test_the_unmodified_copy_passes(tmp_path):
-    emu = _planted(tmp_path, "__syncthreads();", "__syncthreads();")
+def test_the_unmodified_copy_passes():
+    emu = EmuExecutor(kernel_dir=kernel_copy({}))
     q, kc, vc, indptr, pages, lens, slots = _decode_case()
     out = L.decode(q, kc, vc, indptr, pages, lens, 16, 75, emu)
     ref = attention_ref(q[1:2], kc[slots[1]], vc[slots[1]], 74)[0]
@@ -41,17 +28,14 @@ def test_the_unmodified_copy_passes(tmp_path):
 
 
 @pytest.mark.parametrize("barrier", ["after the K/V tile load", "before the next tile"])
-def test_a_missing_barrier_is_caught(tmp_path, barrier):
+def test_a_missing_barrier_is_caught(barrier):
     src = (KERNEL_DIR / "paged_attention.cuh").read_text()
     if barrier == "after the K/V tile load":
         anchor = src.index("__syncthreads();", src.index("K/V tile -> shared"))
     else:
         anchor = src.index("__syncthreads();  // the next tile")
-    # Remove exactly that barrier (occurrence-precise: replace the text from the anchor on).
-    for f in KERNEL_DIR.glob("*.cu*"):
-        shutil.copy(f, tmp_path / f.name)
-    (tmp_path / "paged_attention.cuh").write_text(src[:anchor] + "/* planted */" + src[anchor + 16:])
-    emu = EmuExecutor(kernel_dir=tmp_path)
+    # Remove exactly that barrier (occurrence-precise: cut at the anchor).
+    emu = EmuExecutor(kernel_dir=kernel_copy({"paged_attention.cuh": src[:anchor] + "/* planted */" + src[anchor + 16:]}))
     q, kc, vc, indptr, pages, lens, slots = _decode_case()
     out = L.decode(q, kc, vc, indptr, pages, lens, 16, 75, emu, num_splits=1)
     refs = torch.stack([attention_ref(q[b:b + 1], kc[slots[b]], vc[slots[b]], int(n) - 1)[0]
@@ -114,19 +98,17 @@ __global__ void shuffled(float* out) {
     ("split_barriers", "divergent barrier: threads wait at different __syncthreads"),
     ("shuffle_vs_barrier", "deadlock"),
 ])
-def test_barrier_misuse_is_reported_not_hung(tmp_path, kernel, message):
-    (tmp_path / "toy.cu").write_text(TOY)
+def test_barrier_misuse_is_reported_not_hung(kernel, message):
     names = ["divergent", "split_barriers", "shuffle_vs_barrier", "shuffled"]
-    lib = build("toy.cu", names, kernel_dir=tmp_path)
+    lib = build("toy.cu", names, kernel_dir=kernel_copy({"toy.cu": TOY}, base=None))
     out = torch.zeros(64)
     with pytest.raises(EmuError, match=message):
         invoke(lib, getattr(lib, f"emu_kernel_{names.index(kernel)}"),
                L.Launch("toy", kernel, (1, 1, 1), (64, 1, 1), 0, (out,)))
 
 
-def test_warp_shuffle_exchanges_lanes(tmp_path):
-    (tmp_path / "toy.cu").write_text(TOY)
-    lib = build("toy.cu", ["shuffled"], kernel_dir=tmp_path)
+def test_warp_shuffle_exchanges_lanes():
+    lib = build("toy.cu", ["shuffled"], kernel_dir=kernel_copy({"toy.cu": TOY}, base=None))
     out = torch.zeros(64)
     invoke(lib, lib.emu_kernel_0, L.Launch("toy", "shuffled", (1, 1, 1), (64, 1, 1), 0, (out,)))
     lane = torch.arange(64)

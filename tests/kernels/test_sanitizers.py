@@ -15,7 +15,7 @@ import torch
 
 from astrai.kernels import launch as L
 from astrai.kernels.catalog import KERNEL_DIR
-from harness import EmuError, SanitizerExecutor
+from harness import EmuError, SanitizerExecutor, kernel_copy
 from paged_ref import attention_ref, paged_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")]
@@ -44,15 +44,13 @@ def test_decode_and_prefill_are_clean_under_sanitizers(sanitizer):
         assert (outp[qo[b]:qo[b + 1]].float() - refp).abs().max() < 2e-3
 
 
-def test_thread_sanitizer_reports_a_missing_barrier(tmp_path):
-    for f in KERNEL_DIR.glob("*.cu*"):
-        shutil.copy(f, tmp_path / f.name)
+def test_thread_sanitizer_reports_a_missing_barrier():
     src = (KERNEL_DIR / "paged_attention.cuh").read_text()
     anchor = src.index("__syncthreads();", src.index("K/V tile -> shared"))
-    (tmp_path / "paged_attention.cuh").write_text(src[:anchor] + "/* planted */" + src[anchor + 16:])
+    planted = kernel_copy({"paged_attention.cuh": src[:anchor] + "/* planted */" + src[anchor + 16:]})
     q, kc, vc, indptr, pages, lens, _ = _case()
     with pytest.raises(EmuError, match="data race"):
-        L.decode(q, kc, vc, indptr, pages, lens, 16, 40, SanitizerExecutor("thread", kernel_dir=tmp_path),
+        L.decode(q, kc, vc, indptr, pages, lens, 16, 40, SanitizerExecutor("thread", kernel_dir=planted),
                  num_splits=1)
 
 

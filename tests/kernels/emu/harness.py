@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shutil
 import struct
 import subprocess
 import tempfile
@@ -83,6 +84,25 @@ def build(source: str, name_exprs: list[str], kernel_dir: Path = KERNEL_DIR, ext
             raise EmuError(f"g++ failed on {source}:\n{done.stderr[-4000:]}")
         os.replace(tmp, lib)
     return lib if sanitizer else ctypes.CDLL(str(lib))
+
+
+def kernel_copy(overrides: dict[str, str], base: Path | None = KERNEL_DIR) -> Path:
+    """A copy of the kernel sources (or of nothing, base=None) with some files replaced, in a
+    directory named by its content, so builds of planted-bug variants are cached across runs too."""
+    files = {f.name: f.read_text() for f in sorted(base.glob("*.cu*"))} if base else {}
+    files.update(overrides)
+    digest = hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:24]
+    out = Path(tempfile.gettempdir()) / "astrai-emu-src" / digest
+    if not out.exists():
+        tmp = out.with_name(f"{digest}.{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process made it first: same content
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
