@@ -124,6 +124,8 @@ class PagePool:
             holders.update(req.pages)
         if self.radix is not None and len(nodes) != self.radix.num_nodes:
             raise AssertionError("two radix nodes hold the same page")
+        if self.radix is not None and {nd for nd in nodes.values() if not nd.children} != self.radix._leaves:
+            raise AssertionError("the radix cache's leaf set disagrees with the tree")
         holders.update(nodes.keys())
         for p in range(self.num_pages):
             if self.alloc.refcount[p] != holders.get(p, 0):

@@ -49,6 +49,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.num_nodes = 0
         self.num_evicted = 0  # pages freed by eviction, ever
+        self._leaves: set[Node] = set()  # eviction looks at these only, not at the whole tree
 
     def _keys(self, tokens: Sequence[int], n_pages: int):
         ps = self.page_size
@@ -80,6 +81,8 @@ class RadixCache:
             if child is None:
                 child = Node(key, page, node)
                 node.children[key] = child
+                self._leaves.discard(node)
+                self._leaves.add(child)
                 self.alloc.incref(page)
                 self.alloc.mark_in_tree(page, True)
                 self.num_nodes += 1
@@ -95,7 +98,7 @@ class RadixCache:
         """Free up to n_pages pages, least recently used unreferenced leaves first. Returns how many."""
         if n_pages <= 0 or self.alloc.evictable == 0:
             return 0
-        heap = [(nd.last_access, id(nd), nd) for nd in self.nodes() if self._evictable_leaf(nd)]
+        heap = [(nd.last_access, id(nd), nd) for nd in self._leaves if self._evictable_leaf(nd)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n_pages:
@@ -110,6 +113,9 @@ class RadixCache:
 
     def _remove(self, node: Node) -> None:
         del node.parent.children[node.key]
+        self._leaves.discard(node)
+        if not node.parent.children and node.parent is not self.root:
+            self._leaves.add(node.parent)
         self.alloc.mark_in_tree(node.page, False)
         self.alloc.decref(node.page)
         self.num_nodes -= 1

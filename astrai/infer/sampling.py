@@ -82,7 +82,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[O
     raw = logits
     if any(r.params.repetition_penalty != 1.0 for r in reqs):
         logits = apply_repetition_penalty(logits.clone(), reqs)
-    tokens = logits.argmax(-1)
+    tokens = logits.max(-1).indices  # the first maximum, like argmax, and faster on CPU
     rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if rows:
         sub = [reqs[b] for b in rows]

@@ -139,9 +139,26 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _shares_uncached_prefix(self, req: Request, batch: Batch) -> bool:
+        """Whether a request admitted in this step is computing a page-aligned prefix of req's prompt that
+        the radix cache does not hold yet: waiting one step lets req reuse it instead of computing it twice."""
+        ps = self.pool.page_size
+        for other in batch.reqs:
+            if other.kv_len != 0 or other.num_output:
+                continue  # only requests whose prompt is computed from scratch in this step
+            n = 0
+            limit = min(len(other.tokens), len(req.tokens) - 1)
+            while n < limit and other.tokens[n] == req.tokens[n]:
+                n += 1
+            if n >= ps and other.kv_len + batch.q_lens[batch.reqs.index(other)] >= n:
+                return True
+        return False
+
     def _admit(self, batch: Batch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
+            if self.pool.radix is not None and self._shares_uncached_prefix(req, batch):
+                return  # (in arrival order: nobody overtakes it)
             cached = self.pool.attach(req)
             n = min(req.remaining, budget)
             need = pages_for(req.kv_len + n, self.pool.page_size) - len(req.pages)

@@ -127,3 +127,26 @@ def test_admission_counts_evictable_pages():
     sched.add(b)
     batch = sched.schedule()
     assert batch.reqs == [b] and b.status == RUNNING and pool.radix.num_nodes == 0
+
+
+def test_request_waits_a_step_for_a_prefix_being_computed():
+    pool = PagePool(num_pages=64, page_size=4, max_reqs=4, max_context=128)
+    sched = Scheduler(pool, max_running=4, max_step_tokens=64)
+    system = list(range(100, 116))
+    a = Request(0, system + [1, 2, 3], SamplingParams(max_tokens=2))
+    b = Request(1, system + [7, 8], SamplingParams(max_tokens=2))
+    c = Request(2, [5, 6, 7], SamplingParams(max_tokens=2))  # behind b: arrival order is kept
+    for r in (a, b, c):
+        sched.add(r)
+    batch = sched.schedule()
+    assert batch.reqs == [a]
+    sched.advance(batch)
+    a.tokens.append(9)
+    batch = sched.schedule()
+    assert batch.reqs == [a, b, c] and b.stats.cached_tokens == 16 and batch.q_lens == [1, 2, 3]
+    # without the radix cache nothing is gained by waiting
+    pool = PagePool(num_pages=64, page_size=4, max_reqs=4, max_context=128, use_radix=False)
+    sched = Scheduler(pool, max_running=4, max_step_tokens=64)
+    for r in (Request(0, system + [1], SamplingParams()), Request(1, system + [2], SamplingParams())):
+        sched.add(r)
+    assert len(sched.schedule().reqs) == 2
