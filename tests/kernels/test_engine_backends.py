@@ -64,8 +64,8 @@ def test_prefill_logits_on_emulated_kernels_match_torch_backend(emu_registered):
         with attn_backend(name):
             engine = Engine(model, options=EngineOptions(device="cpu", page_size=4))
         reqs = [engine.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
-        batch = engine.scheduler.schedule()
-        assert len(batch.reqs) == len(reqs)
+        batch = engine.scheduler.schedule()  # deterministic: the same ragged batch for both backends
+        assert len(batch.reqs) >= 2 and len(set(batch.q_lens)) > 1 and all(r in reqs for r in batch.reqs)
         logits[name] = engine.runner.forward(batch)
     torch.testing.assert_close(logits["emu"], logits["torch"], atol=2e-5, rtol=1e-5)
 
