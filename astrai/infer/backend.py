@@ -37,6 +37,7 @@ import torch
 ENV_VAR = "ASTRAI_ATTN_BACKEND"
 # name -> "module:Class", highest priority first; the CUDA backend registers itself here.
 BACKENDS: dict[str, str] = {
+    "cuda": "astrai.infer.backends.cuda:CudaBackend",
     "torch": "astrai.infer.backends.torch_native:TorchBackend",
 }
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("astrai_attn_backend", default=None)
