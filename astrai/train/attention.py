@@ -27,6 +27,7 @@ class DocumentLoopContext(AttentionContext):
     def __init__(self, cu_seqlens: torch.Tensor):
         self.bounds = [int(x) for x in cu_seqlens.tolist()]
 
+    @torch.compiler.disable  # under torch.compile the loop stays eager: no recompile per document layout
     def attend(self, layer_idx, q, k, v):
         b = self.bounds
         if len(b) == 2:

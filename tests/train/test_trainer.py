@@ -148,3 +148,15 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
     assert checkpoints.latest(root) == good
     for f in ("config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json"):
         assert (good / f).exists(), f
+
+
+def test_moe_aux_loss_logged_apart_and_weighted(tmp_path):
+    from astrai.model import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    m = CausalLM(ModelConfig.preset("tiny-moe", vocab_size=128, router_aux_loss_coef=0.02))
+    state = Trainer(m, make_strategy("sft"), ts.synthetic_rows(8), ts.options(tmp_path, max_steps=2)).fit()
+    rec = state.history[0]
+    assert rec["aux_loss"] >= 1.0  # E * sum f * P is 1 for perfectly balanced routing, more otherwise
+    assert rec["aux_loss_weighted"] == pytest.approx(0.02 * rec["aux_loss"])
+    assert rec["loss"] > 3.0  # the task loss alone (ln 128 = 4.85 at init), not task + aux
