@@ -13,13 +13,13 @@ initial weights, and the methods are interleaved step by step so machine load hi
 - padded-sorted:  the same with documents sorted by length (least padding)
 - hf-packed:      transformers' LlamaForCausalLM on the same packed rows (position ids restarting,
                   no attention mask: its dense block-diagonal mask path), same weights
-- packed-chunked / packed-fused: astrai with the chunked and the fused LM-head loss (speed)
+- packed-chunked / packed-fused (with --loss-modes): astrai with the chunked and fused LM-head loss
 
 Reported: real (non-pad) tokens/s per method and the ratios of the issue's targets (packed vs
-padded-random >= 1.5, vs padded-sorted >= 0.95, vs hf-packed >= 1.5), and peak RSS of one packed
-step with each LM-head loss mode, each in a fresh child process.
+padded-random >= 1.5, vs padded-sorted >= 0.95, vs hf-packed >= 1.5), and peak RSS and time of one
+packed step with each LM-head loss mode (full, chunked, fused), each in a fresh child process.
 
-Run: python bench/train.py [--models small] [--rows 3] [--row-len 4096] [--threads 2] [--no-memory]
+Run: python bench/train.py [--models small] [--rows 3] [--row-len 4096] [--threads 2] [--no-memory] [--loss-modes]
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ def step_packed(model, opt, batch, mode="full"):
 
 
 def step_padded(model, opt, batch):
+    # as a default Trainer computes it: logits at every position of the padded batch, pads masked in the loss
     h = model(batch["ids"], batch["pos"], PaddedContext(batch["b"], batch["s"]))
-    t = batch["targets"]
-    loss = cross_entropy_sum(h, model.lm_head.weight, t, "full") / int((t != IGNORE_INDEX).sum())
+    loss = F.cross_entropy(model.logits(h).float(), batch["targets"], ignore_index=IGNORE_INDEX)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -175,6 +175,7 @@ def measure(name: str, rows: list[list[int]], seed: int, loss_modes: bool) -> di
                 fn(models[k], opts[k], batches[i])
                 secs[k] += time.perf_counter() - t
                 real[k] += batches[i]["real"]
+                print(f"{name} {k} batch {i}: {secs[k]:.1f} s so far", file=sys.stderr, flush=True)
     tps = {k: real[k] / secs[k] for k in work}
     pad = {k: 1 - real[k] / sum(b["b"] * b["s"] for b in work[k][1]) for k in ("padded-random", "padded-sorted")}
     return {"model": name, "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
@@ -206,23 +207,25 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--no-loss-modes", action="store_true")
+    p.add_argument("--loss-modes", action="store_true", help="also interleave packed-chunked and packed-fused")
     p.add_argument("--child-memory", nargs=2, metavar=("MODEL", "MODE"))
+    p.add_argument("--rows-json", help=argparse.SUPPRESS)  # the parent's documents, for its children
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    rows = documents(a.rows, a.row_len, a.seed)
     if a.child_memory:
-        return child_memory(*a.child_memory, rows, a.seed)
+        return child_memory(*a.child_memory, json.loads(a.rows_json), a.seed)
+    rows = documents(a.rows, a.row_len, a.seed)
     results = []
     for name in a.models.split(","):
-        r = measure(name, rows, a.seed, not a.no_loss_modes)
+        r = measure(name, rows, a.seed, a.loss_modes)
+        print(json.dumps(r), flush=True)
         if not a.no_memory:
             from child import run_child
 
             r["memory"] = {}
             for mode in ("full", "chunked", "fused"):
-                out, _, _ = run_child([sys.executable, __file__, "--child-memory", name, mode, "--rows", str(a.rows),
-                                       "--row-len", str(a.row_len), "--threads", str(a.threads)], cwd=HERE,
+                out, _, _ = run_child([sys.executable, __file__, "--child-memory", name, mode, "--rows-json",
+                                       json.dumps(rows), "--threads", str(a.threads)], cwd=HERE,
                                       what=f"memory {mode}")
                 r["memory"][mode] = {"peak_rss_mb": round(out["peak_rss_mb"]), "step_s": round(out["seconds"], 2)}
         results.append(r)
