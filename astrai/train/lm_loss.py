@@ -11,6 +11,10 @@ ways to compute the same numbers, picked by `mode`:
   with respect to the chunk's logits (softmax - target) and folds it straight into the gradients
   of the hidden states and of the head weight; backward only scales them. No recomputation.
 
+"auto" (the default): full up to `chunk` positions, fused beyond (cross-entropy), chunked for
+log-probs. Measured in bench/train.py (small model, one 4096-token row, 32k vocab, 2 busy CPU
+cores, chunk 1024): full 9.0 s / 2486 MB peak RSS, chunked 15.9 s / 1498 MB, fused 12.8 s / 1488 MB.
+
 Only positions with a target are sent through the head at all (an SFT batch with 30% trained
 tokens pays 30% of the head), in every mode.
 
@@ -53,9 +57,9 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
         return hidden.sum() * 0.0  # keeps the graph (and DDP's gradient hooks) connected
     if mode == "full" or (mode == "auto" and h.shape[0] <= chunk):
         return _ce_rows(h @ weight.t(), y, smoothing).sum()
-    if mode == "fused":
+    if mode in ("fused", "auto"):  # auto past one chunk: fused measured faster than chunked at the same peak
         return _FusedLinearCrossEntropy.apply(h, weight, y, chunk, smoothing)
-    if mode in ("chunked", "auto"):
+    if mode == "chunked":
         parts = [checkpoint(_chunk_ce, h[s:s + chunk], weight, y[s:s + chunk], smoothing, use_reentrant=False)
                  for s in range(0, h.shape[0], chunk)]
         return torch.stack(parts).sum()
