@@ -94,3 +94,20 @@ def test_invalid_combinations_are_refused(datasets, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before any work
     with pytest.raises(ValueError, match="Extra inputs"):
         TrainOptions(data="d", output="o", lerning_rate=1.0)
+
+
+def test_yaml_config_paths_and_located_errors(datasets, tmp_path):
+    from astrai.config import ConfigError
+    from astrai.train.cli import load_train_config, main
+
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(f"data: {datasets['sft']}\noutput: run\nmodel: tiny\nbatch_size: 1\nmax_steps: 1\n"
+                   f"epochs: 5\nprogress: false\n")
+    opts = load_train_config(cfg, ["lr=0.001"])
+    assert opts.output == str(tmp_path / "run") and opts.lr == 0.001 and opts.model == "tiny"
+    assert main([str(cfg)]) == 0 and (tmp_path / "run" / "final" / "model.safetensors").exists()
+    cfg.write_text("data: d\noutput: o\nlerning_rate: 1\nbatch_size: zero\n")
+    with pytest.raises(ConfigError) as e:
+        load_train_config(cfg)
+    text = str(e.value)
+    assert "3:1: lerning_rate: unknown key" in text and "4:" in text and "batch_size" in text
