@@ -93,3 +93,20 @@ def test_varlen_matches_loop_on_gpu():
         a = model(ids, pos, packed_context(cu, torch.device("cuda"), torch.bfloat16, backend="varlen")).float()
         b = model(ids, pos, packed_context(cu, backend="loop")).float()
     torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.preset("tiny"))
+    ids = _docs(512, [9])[0][0]
+    cu = torch.tensor([0, 4, 9])
+    pos = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4])
+    grads = []
+    for flag in (False, True):
+        model.gradient_checkpointing = flag
+        model.zero_grad()
+        h = model(ids, pos, packed_context(cu))
+        cross_entropy_sum(h, model.lm_head.weight, shift_targets(ids, cu)).backward()
+        grads.append(_grads(model))
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-5)
