@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import sys
 import time
 
@@ -183,6 +182,13 @@ def measure(name: str, rows: list[list[int]], seed: int, loss_modes: bool) -> di
             "pad_share": {k: round(v, 3) for k, v in pad.items()}, "docs": len(docs), "docs_per_batch": per}
 
 
+def _vm(key: str) -> float:
+    """MB from /proc/self/status (VmHWM is this process's own peak: unlike ru_maxrss, not inherited
+    from the parent across fork + exec)."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(key + ":")) / 1024
+
+
 def child_memory(name: str, mode: str, rows: list[list[int]], seed: int):
     cfg = config(name)
     torch.manual_seed(seed)
@@ -191,12 +197,13 @@ def child_memory(name: str, mode: str, rows: list[list[int]], seed: int):
     g = torch.Generator().manual_seed(seed)
     batch = packed_batch(rows[0], cfg.vocab_size, g)
     step_packed(m, opt, batch, mode)  # AdamW state allocated here
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset the peak: measure the step itself
+    before = _vm("VmRSS")
     t = time.perf_counter()
     step_packed(m, opt, batch, mode)
     secs = time.perf_counter() - t
-    print(json.dumps({"mode": mode, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "peak_before_mb": before / 1024, "seconds": secs}))
+    print(json.dumps({"mode": mode, "peak_rss_mb": _vm("VmHWM"), "rss_before_mb": before, "seconds": secs}))
 
 
 def main():
@@ -227,7 +234,9 @@ def main():
                 out, _, _ = run_child([sys.executable, __file__, "--child-memory", name, mode, "--rows-json",
                                        json.dumps(rows), "--threads", str(a.threads)], cwd=HERE,
                                       what=f"memory {mode}")
-                r["memory"][mode] = {"peak_rss_mb": round(out["peak_rss_mb"]), "step_s": round(out["seconds"], 2)}
+                r["memory"][mode] = {"step_peak_rss_mb": round(out["peak_rss_mb"]),
+                                     "step_peak_over_start_mb": round(out["peak_rss_mb"] - out["rss_before_mb"]),
+                                     "step_s": round(out["seconds"], 2)}
         results.append(r)
         print(json.dumps(r, indent=2))
         for k, target in TARGETS.items():
