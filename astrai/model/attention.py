@@ -33,9 +33,11 @@ class AttentionContext:
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of one sequence: q [S, Hq, D], k/v [S, Hkv, D] -> [S, Hq, D]."""
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+    # 4-D [1, H, S, D] on purpose: with 3-D inputs torch's CPU SDPA falls back to the math kernel
+    # (materialised S x S scores, ~4x slower); 4-D takes the flash kernel, GQA without repeating k/v.
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 class CausalContext(AttentionContext):
