@@ -1,0 +1,81 @@
+"""The Ray executor on its own: the missing-extra error, the node visibility check, retries and errors.
+
+The cluster tests are slow (a real two-node local cluster from conftest's `ray_cluster`) and skip
+without ray; the first two tests need no cluster and run in the default tier.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from astrai.data.errors import InputError
+from astrai.runtime_ray import _node_problem, import_ray
+
+
+def test_without_ray_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` does when it is not installed
+    with pytest.raises(InputError, match=r"pip install 'astrai\[ray\]'"):
+        import_ray()
+
+
+def test_node_problem_names_what_a_node_cannot_see(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".probe").write_text("tok3n")
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    ok = [("input", str(data)), ("tokenizer", str(tmp_path))]
+    assert _node_problem(ok, str(out), ".probe", "tok3n", str(tmp_path)) is None
+    assert not [p for p in out.iterdir() if p.name != ".probe"]  # its own write probe is gone
+    missing = str(tmp_path / "nope.jsonl")
+    assert _node_problem(ok + [("input", missing)], str(out), ".probe", "tok3n", str(tmp_path)) == \
+        f"cannot see input {missing} (no such file or directory)"
+    # a directory with the output's name that is not the driver's: the probe is not there
+    assert "does not see the output directory" in _node_problem(ok, str(out), ".probe", "other", str(tmp_path))
+    # relative paths are taken from the driver's working directory, which the node must see too
+    monkeypatch.chdir("/")
+    assert _node_problem([("input", "d.jsonl")], str(out), ".probe", "tok3n", str(tmp_path)) is None
+    gone = str(tmp_path / "gone")
+    assert _node_problem([("input", "d.jsonl")], str(out), ".probe", "tok3n", gone).startswith(
+        f"cannot see the working directory {gone}")
+
+
+@pytest.fixture
+def executor(ray_cluster):
+    from astrai.runtime_ray import RayExecutor
+
+    with RayExecutor(ray_cluster, log=lambda s: None) as ex:
+        yield ex
+
+
+@pytest.mark.slow
+def test_a_task_whose_worker_dies_is_retried(executor, tmp_path):
+    dirs = [str(tmp_path / f"d{i}") for i in range(4)]
+    fault = Path(os.environ["ASTRAI_FAULT_DIR"]) / "mk-2"
+    fault.write_text("")  # the task named mk-2 kills its worker once
+    logs = []
+    executor.map(os.makedirs, dirs, logs.append, "dirs", names=[f"mk-{i}" for i in range(4)])
+    assert not fault.exists()  # the fault fired (and only once: its file is gone)
+    assert all(os.path.isdir(d) for d in dirs) and logs == ["4 dirs done as Ray tasks"]
+
+
+@pytest.mark.slow
+def test_a_task_error_is_raised_as_itself(executor, tmp_path):
+    (tmp_path / "a").mkdir()
+    with pytest.raises(FileExistsError) as e:
+        executor.map(os.mkdir, [str(tmp_path / "b"), str(tmp_path / "a")], lambda s: None, "dirs")
+    assert str(tmp_path / "a") in str(e.value)
+
+
+@pytest.mark.slow
+def test_check_nodes_passes_on_shared_paths_and_leaves_nothing(executor, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    executor.check_nodes([("input", str(data))], out)
+    assert list(out.iterdir()) == []
+    with pytest.raises(InputError, match=r"ray node \S+ \(\w+\) cannot see input /no/such\.jsonl"):
+        executor.check_nodes([("input", "/no/such.jsonl")], out)
