@@ -79,3 +79,42 @@ def test_check_nodes_passes_on_shared_paths_and_leaves_nothing(executor, tmp_pat
     assert list(out.iterdir()) == []
     with pytest.raises(InputError, match=r"ray node \S+ \(\w+\) cannot see input /no/such\.jsonl"):
         executor.check_nodes([("input", "/no/such.jsonl")], out)
+
+
+@pytest.mark.slow
+def test_a_node_that_cannot_see_the_input_is_named(executor, tmp_path):
+    # A real third node whose view of the filesystem lacks the input: started in its own mount
+    # namespace with an empty tmpfs over the input's directory (needs unshare; root or user namespaces).
+    import signal
+    import subprocess
+    import time
+
+    import ray
+
+    if subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode:
+        pytest.skip("unshare -m is not permitted here")
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "d.jsonl").write_text("{}\n")
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    address = ray.get_runtime_context().gcs_address
+    # num-cpus 0: only the zero-CPU check task can land there, no work of another test
+    node = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                             f"mount -t tmpfs none {hidden} && exec {ray_bin} start --address={address} "
+                             f"--num-cpus=0 --object-store-memory={80 * 2 ** 20} --block --disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while len([n for n in ray.nodes() if n["Alive"]]) < 3:
+            assert node.poll() is None and time.time() < deadline, "the third node did not start"
+            time.sleep(0.2)
+        new = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) == 0]
+        with pytest.raises(InputError) as e:
+            executor.check_nodes([("input", str(hidden / "d.jsonl"))], tmp_path)
+        assert f"({new[0][:12]}) cannot see input {hidden / 'd.jsonl'} (no such file or directory)" in str(e.value)
+    finally:
+        node.send_signal(signal.SIGTERM)  # `ray start --block` stops its node's processes
+        node.wait(30)
+        deadline = time.time() + 60
+        while len([n for n in ray.nodes() if n["Alive"]]) > 2 and time.time() < deadline:
+            time.sleep(0.2)
