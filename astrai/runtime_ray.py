@@ -25,10 +25,11 @@ Guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from astrai.data.errors import InputError
 
@@ -77,16 +78,27 @@ class RayExecutor:
 
     # -----------------------------------------------------------------------------------------
 
-    def map(self, fn, args: list, log: Callable[[str], None], what: str, names: Optional[list[str]] = None):
-        """fn(a) for every a as Ray tasks; returns when all are done, raises the first failure.
-
-        names (one per arg) label the tasks in Ray's tooling and for ASTRAI_FAULT_DIR."""
-        if not args:
+    def run_tasks(self, fn: Callable[[Any, Any], Any], tasks: Sequence, *, setup: Callable[[], Any],
+                  what: str = "tasks", log: Callable[[str], None] = print, workers: Optional[int] = None,
+                  context: Any = None) -> None:
+        """astrai.runtime.run_tasks on the cluster: `fn(context, task)` for every task, one Ray task
+        each, as many at a time as the cluster has CPUs; returns when all are done, raises the first
+        failure. Each Ray worker process builds the context once with `setup()` and keeps it for the
+        later tasks of the same setup (the partition tasks and then the shard tasks of a run).
+        `workers` and `context` belong to the local pool (a built context cannot travel) and are
+        ignored. A task's `name` attribute, if any, labels it (Ray's tooling, ASTRAI_FAULT_DIR)."""
+        if not tasks:
             return
         ray = self.ray
-        names = names or [f"{what}-{i}" for i in range(len(args))]
-        refs = {self._task.options(name=n).remote(fn, a, self.cwd, n): n for a, n in zip(args, names)}
-        pending = list(refs)
+        from ray import cloudpickle
+
+        # the same setup (pass 1 and pass 2 of a run) pickles to the same bytes: one context per process
+        setup_key = hashlib.sha256(cloudpickle.dumps(setup)).hexdigest()
+        setup_ref = ray.put(setup)  # once in the object store, not once per task
+        pending = []
+        for i, t in enumerate(tasks):
+            name = str(getattr(t, "name", f"{what}-{i}"))
+            pending.append(self._task.options(name=name).remote(fn, setup_key, setup_ref, t, self.cwd, name))
         try:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
@@ -99,13 +111,13 @@ class RayExecutor:
             raise
         except ray.exceptions.RayError as e:  # the worker died more than MAX_RETRIES times, a node was lost...
             self._cancel(pending)
-            raise RuntimeError(f"a Ray task failed while processing {what} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}); finished {what} are kept: "
-                               f"rerun to resume") from None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RuntimeError(f"a Ray task failed while processing {what} ({type(e).__name__}: {first}); "
+                               f"finished {what} are kept: rerun to resume") from None
         except BaseException:
             self._cancel(pending)
             raise
-        log(f"{len(args)} {what} done as Ray tasks")
+        log(f"{len(tasks)} {what} done as Ray tasks")
 
     def _cancel(self, refs):
         for r in refs:
@@ -142,11 +154,17 @@ class RayExecutor:
             probe.unlink(missing_ok=True)
 
 
-def _run_task(fn, arg, cwd: str, name: str):
+_context: tuple = (None, None)  # (setup key, context) of this Ray worker process
+
+
+def _run_task(fn, setup_key: str, setup, task, cwd: str, name: str):
+    global _context
     os.chdir(cwd)  # relative input paths mean what they mean on the driver (checked by check_nodes)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per task: Ray runs one per CPU
     _fault_point(name)
-    return fn(arg)
+    if _context[0] != setup_key:
+        _context = (setup_key, setup())
+    return fn(_context[1], task)
 
 
 def _fault_point(name: str):

@@ -50,23 +50,38 @@ def executor(ray_cluster):
         yield ex
 
 
+# Tasks here are stdlib functions, importable on every worker: fn(context, task) is
+# shutil.copyfile(src, dst), the context (src) built by setup = partial(str, src).
+
+
 @pytest.mark.slow
 def test_a_task_whose_worker_dies_is_retried(executor, tmp_path):
-    dirs = [str(tmp_path / f"d{i}") for i in range(4)]
-    fault = Path(os.environ["ASTRAI_FAULT_DIR"]) / "mk-2"
-    fault.write_text("")  # the task named mk-2 kills its worker once
+    import shutil
+    from functools import partial
+
+    src = tmp_path / "src"
+    src.write_text("payload")
+    dsts = [str(tmp_path / f"dst{i}") for i in range(4)]
+    fault = Path(os.environ["ASTRAI_FAULT_DIR"]) / "files-2"
+    fault.write_text("")  # the third task kills its worker once
     logs = []
-    executor.map(os.makedirs, dirs, logs.append, "dirs", names=[f"mk-{i}" for i in range(4)])
-    assert not fault.exists()  # the fault fired (and only once: its file is gone)
-    assert all(os.path.isdir(d) for d in dirs) and logs == ["4 dirs done as Ray tasks"]
+    executor.run_tasks(shutil.copyfile, dsts, setup=partial(str, str(src)), what="files", log=logs.append)
+    assert not fault.exists()  # the fault fired (once: its file is gone)
+    assert [Path(d).read_text() for d in dsts] == ["payload"] * 4 and logs == ["4 files done as Ray tasks"]
 
 
 @pytest.mark.slow
 def test_a_task_error_is_raised_as_itself(executor, tmp_path):
-    (tmp_path / "a").mkdir()
-    with pytest.raises(FileExistsError) as e:
-        executor.map(os.mkdir, [str(tmp_path / "b"), str(tmp_path / "a")], lambda s: None, "dirs")
-    assert str(tmp_path / "a") in str(e.value)
+    import shutil
+    from functools import partial
+
+    src = tmp_path / "src"
+    src.write_text("payload")
+    bad = str(tmp_path / "no-such-dir" / "dst")
+    with pytest.raises(FileNotFoundError) as e:
+        executor.run_tasks(shutil.copyfile, [str(tmp_path / "ok"), bad], setup=partial(str, str(src)),
+                           what="files", log=lambda s: None)
+    assert bad in str(e.value)
 
 
 @pytest.mark.slow
