@@ -52,11 +52,11 @@ def child(args):
     pipe = load_pipeline(PIPELINE, overrides(args.packing, args.batch_size))
     t0 = time.perf_counter()
     if args.baseline:
-        from astrai.data.preprocess import Job, _processor
+        from astrai.data.preprocess.job import Job, Worker
         from astrai.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(TOKENIZER, str(ROOT))
-        _processor(Job(pipe, str(tok.path), str(ROOT), args.out))  # tokenizer + added tokens + template
+        Worker.build(Job(pipe, str(tok.path), str(ROOT), args.out))  # tokenizer + added tokens + template
         import pyarrow.parquet  # noqa: F401  (what a run imports to write)
         stats = {}
     else:

@@ -86,3 +86,39 @@ def test_data_imports_without_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_run_drives_the_stages_of_the_registry(tmp_path, monkeypatch, capsys):
+    # A stage plugs in as an options model, a run function and one registry entry; `astrai run`
+    # validates its block with the model and calls it in registry order, knowing nothing else.
+    import dataclasses
+    import types
+
+    import astrai.config.recipe as recipe_mod
+    from astrai.config import STAGES, Stage, StrictModel
+
+    class EchoOptions(StrictModel):
+        message: str
+        times: int = 1
+
+    calls = []
+    fake = types.ModuleType("fake_stage_module")
+    fake.run_pre = lambda options, ctx: calls.append(("preprocess", options.output, ctx.recipe_dir))
+    fake.run_echo = lambda options, ctx: calls.append(("echo", options, ctx.recipe_dir))
+    monkeypatch.setitem(sys.modules, "fake_stage_module", fake)
+    monkeypatch.setitem(STAGES, "preprocess", dataclasses.replace(STAGES["preprocess"], run="fake_stage_module:run_pre"))
+    monkeypatch.setitem(STAGES, "echo", Stage("echo", "say something", EchoOptions, "fake_stage_module:run_echo"))
+    monkeypatch.setattr(recipe_mod, "Recipe", recipe_mod.recipe_model(STAGES))
+
+    (tmp_path / "p.yaml").write_text("version: 1\ninput: {sections: [{field: text}]}\n")
+    r = tmp_path / "r.yaml"
+    r.write_text("version: 1\necho: {message: hi, times: 2}\npreprocess: {pipeline: p.yaml, inputs: [a], output: o}\n")
+    assert main(["run", str(r)]) == 0
+    assert [c[0] for c in calls] == ["preprocess", "echo"]  # registry order, not file order
+    assert isinstance(calls[1][1], EchoOptions) and calls[1][1].times == 2 and calls[1][2] == tmp_path
+    assert "[echo] done" in capsys.readouterr().out
+
+    r.write_text("version: 1\necho: {mesage: hi}\npreprocess: {pipeline: p.yaml, inputs: [a], output: o}\n")
+    calls.clear()
+    assert main(["run", str(r)]) == 1 and calls == []  # checked by the stage's model before anything runs
+    assert "did you mean 'message'" in capsys.readouterr().err

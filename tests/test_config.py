@@ -162,7 +162,7 @@ def test_recipe_rejects_stages_not_landed(tmp_path):
 
 def test_python_api_reads_the_same_models():
     pipe = Pipeline.model_validate({"version": 1, "input": {"sections": [{"field": "text"}]}})
-    assert pipe.packed_len is None
+    assert pipe.bin_capacity is None
     with pytest.raises(Exception):
         Pipeline.model_validate({"version": 1, "input": {"sections": [{"field": "m", "action": "$role"}]}})
 

@@ -20,6 +20,7 @@ from typing import Optional
 import pyarrow.parquet as pq
 
 from astrai.data.errors import InputError
+from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, SEQ_LENS
 
 
 def _shards(out: Path) -> list[Path]:
@@ -97,7 +98,7 @@ def _to_jsonl(outp: Path, shards: list[Path], tmp: Path, tokenizer: Optional[str
         for s in shards:
             for batch in pq.ParquetFile(s).iter_batches(batch_size=256):
                 for row in batch.to_pylist():
-                    if "input_ids" in row:
+                    if INPUT_IDS in row:
                         row["docs"] = _decode_docs(tok, row)
                     fh.write(json.dumps(row, ensure_ascii=False) + "\n")
                     n += 1
@@ -106,13 +107,13 @@ def _to_jsonl(outp: Path, shards: list[Path], tmp: Path, tokenizer: Optional[str
 
 def _decode_docs(tok, row) -> list[dict]:
     docs, start = [], 0
-    labels = row.get("labels")
-    for length in row["seq_lens"]:
-        ids = row["input_ids"][start:start + length]
+    labels = row.get(LABELS)
+    for length in row[SEQ_LENS]:
+        ids = row[INPUT_IDS][start:start + length]
         doc = {"text": tok.decode(ids)}
         if labels is not None:
             lab = labels[start:start + length]
-            doc["trained_text"] = tok.decode([t for t, l in zip(ids, lab) if l != -100])
+            doc["trained_text"] = tok.decode([t for t, l in zip(ids, lab) if l != IGNORE_INDEX])
         docs.append(doc)
         start += length
     return docs

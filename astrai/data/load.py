@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from astrai.data.write import positions
+from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS
 
-IGNORE = -100
 
 
 def _arrow_cache(out: Path, shard: str) -> Path:
@@ -65,7 +65,7 @@ class ShardDataset:
         counts = [t.num_rows for t in self.tables]
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.columns = self.tables[0].column_names if self.tables else []
-        self.multi = "input_ids" not in self.columns and bool(self.columns)
+        self.multi = INPUT_IDS not in self.columns and bool(self.columns)
         self.position_mode = self.manifest["pipeline"]["output"]["position_ids_mode"]
 
     def __len__(self) -> int:
@@ -87,15 +87,15 @@ class ShardDataset:
         row = self._row(i)
         if self.multi:
             return {k: v.as_py() for k, v in row.items()}
-        ids = torch.from_numpy(row["input_ids"].values.to_numpy(zero_copy_only=False).astype(np.int64))
-        seq_lens = torch.from_numpy(row["seq_lens"].values.to_numpy(zero_copy_only=False).astype(np.int64))
-        labels = (torch.from_numpy(row["labels"].values.to_numpy(zero_copy_only=False).astype(np.int64))
-                  if "labels" in row else ids.clone())
-        if "position_ids" in row:
-            pos = torch.from_numpy(row["position_ids"].values.to_numpy(zero_copy_only=False).astype(np.int64))
+        ids = torch.from_numpy(row[INPUT_IDS].values.to_numpy(zero_copy_only=False).astype(np.int64))
+        seq_lens = torch.from_numpy(row[SEQ_LENS].values.to_numpy(zero_copy_only=False).astype(np.int64))
+        labels = (torch.from_numpy(row[LABELS].values.to_numpy(zero_copy_only=False).astype(np.int64))
+                  if LABELS in row else ids.clone())
+        if POSITION_IDS in row:
+            pos = torch.from_numpy(row[POSITION_IDS].values.to_numpy(zero_copy_only=False).astype(np.int64))
         else:
             pos = torch.from_numpy(positions(seq_lens.numpy(), "doc_reset").astype(np.int64))
-        return {"input_ids": ids, "labels": labels, "position_ids": pos, "seq_lens": seq_lens}
+        return {INPUT_IDS: ids, LABELS: labels, POSITION_IDS: pos, SEQ_LENS: seq_lens}
 
 
 def split_documents(row: dict) -> list[dict]:
@@ -120,7 +120,7 @@ def collate_padded(batch: list[dict], pad_id: int = 0, max_len: Optional[int] = 
         length = min(length, max_len)
     n = len(docs)
     ids = torch.full((n, length), pad_id, dtype=torch.long)
-    labels = torch.full((n, length), IGNORE, dtype=torch.long)
+    labels = torch.full((n, length), IGNORE_INDEX, dtype=torch.long)
     pos = torch.zeros((n, length), dtype=torch.long)
     mask = torch.zeros((n, length), dtype=torch.long)
     for i, d in enumerate(docs):
@@ -140,7 +140,7 @@ def collate_packed(batch: list[dict]) -> dict:
     seq_lens = torch.cat([r["seq_lens"] for r in batch])
     cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(seq_lens, 0)
-    labels[cu[:-1].long()] = IGNORE  # never predict a document's first token from the previous document
+    labels[cu[:-1].long()] = IGNORE_INDEX  # never predict a document's first token from the previous document
     pos = torch.cat([r["position_ids"] for r in batch])  # as written (doc_reset unless configured otherwise)
     return {"input_ids": ids[None], "labels": labels[None], "position_ids": pos[None],
             "cu_seqlens": cu, "max_seqlen": int(seq_lens.max()) if len(seq_lens) else 0}

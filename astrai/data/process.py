@@ -1,7 +1,8 @@
 """Records to token ids and labels: sections, sources, mask rules, filters and truncation.
 
 One `Processor` per (pipeline, tokenizer). `process_batch` takes a batch of records and returns,
-per record, a `Doc` (kept), a `Filtered` (dropped with a reason) or a `RecordError` (bad input).
+per record, a `RecordOutput` (kept: one or more `TokenSeq` per source), a `Filtered` (dropped with a
+reason) or a `RecordError` (bad input).
 Texts of the whole batch are tokenized together with `encode_batch` (the Rust tokenizer's threads).
 
 Sections (single output) or sources (one token sequence per named source) are built the same way:
@@ -20,20 +21,21 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from astrai.config import Pipeline, Section
+from astrai.config.pipeline import Pipeline, Section
 from astrai.data.errors import RecordError
 from astrai.data.mask import (
-    IGNORE, RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,
+    RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,
 )
 from astrai.data.template import ChatTemplate, resolve_template
 from astrai.data.tokenizer import Tokenizer, with_added_tokens
+from astrai.schema import IGNORE_INDEX, value_column
 
 ITEM = "$item"
 
 
 @dataclass
-class Seq:
-    """One token sequence (a document) with its labels and what inspect/stats need to know."""
+class TokenSeq:
+    """One token sequence (a document, in packing terms) with its labels and what inspect/stats need."""
 
     input_ids: np.ndarray
     labels: Optional[np.ndarray]
@@ -46,15 +48,24 @@ class Seq:
 
     @property
     def trained(self) -> int:
-        return len(self.input_ids) if self.labels is None else int((self.labels != IGNORE).sum())
+        return len(self.input_ids) if self.labels is None else int((self.labels != IGNORE_INDEX).sum())
 
 
 @dataclass
-class Doc:
-    seqs: dict[str, Union[Seq, list[Seq]]]  # "" for single output; source names otherwise
+class RecordOutput:
+    """What one kept record produces: its token sequences per source, its values, its domain."""
+
+    # "" for single output, source names otherwise. Always a list: one sequence per record for a
+    # plain source, one per item for a list source (Processor.list_sources says which is which).
+    seqs: dict[str, list[TokenSeq]]
     values: dict[str, Any] = field(default_factory=dict)
     domain: Optional[str] = None
     chars: int = 0
+
+    def seq(self, source: str = "") -> TokenSeq:
+        """The sequence of a plain (not list) source; the only one of a single-output pipeline."""
+        (one,) = self.seqs[source]
+        return one
 
 
 @dataclass
@@ -63,7 +74,7 @@ class Filtered:
     detail: str = ""
 
 
-Result = Union[Doc, Filtered, RecordError]
+Result = Union[RecordOutput, Filtered, RecordError]
 
 
 @dataclass
@@ -93,6 +104,8 @@ class Processor:
             self.sources = {"": (pipeline.input.sections, None)}
         else:
             self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
+        self.list_sources = {name for name, (_, list_field) in self.sources.items() if list_field is not None}
+        self.prompt_groups = _shared_prompt_groups(self.sources)
 
     @cached_property
     def value_types(self) -> dict[str, tuple[str, bool]]:
@@ -101,8 +114,8 @@ class Processor:
         for name, (secs, list_field) in self.sources.items():
             for s in secs:
                 if s.action == "value":
-                    out[name or (s.field if isinstance(s.field, str) else s.field[0])] = (s.value_type,
-                                                                                          list_field is not None)
+                    fld = s.field if isinstance(s.field, str) else s.field[0]
+                    out[value_column(name, fld)] = (s.value_type, list_field is not None)
         return out
 
     @cached_property  # read per record on the hot path
@@ -146,7 +159,7 @@ class Processor:
     # -- prepare: validate, render, collect texts ----------------------------------------------
 
     def _prepare(self, rec: dict):
-        parts_by_source: dict[str, Union[list[_Part], list[list[_Part]]]] = {}
+        parts_by_source: dict[str, list[list[_Part]]] = {}  # per source: each sequence's parts
         values: dict[str, Any] = {}
         chars = 0
         for name, (sections, list_field) in self.sources.items():
@@ -154,7 +167,7 @@ class Processor:
             if list_field is None:
                 parts, vals, n = self._prepare_sections(rec, sections, name)
                 if tokenized:
-                    parts_by_source[name] = parts
+                    parts_by_source[name] = [parts]
                 chars += n
                 values.update(vals)
             else:
@@ -195,7 +208,7 @@ class Processor:
         for s in sections:
             if s.action == "value":
                 fld = s.field if isinstance(s.field, str) else s.field[0]
-                values[source or fld] = _value(_field(rec, fld), s.value_type, fld)
+                values[value_column(source, fld)] = _value(_field(rec, fld), s.value_type, fld)
                 continue
             if s.template:
                 msgs, n_prompt = self._messages(rec, s)
@@ -275,29 +288,26 @@ class Processor:
 
     # -- assemble: labels, truncation ---------------------------------------------------------
 
-    def _assemble(self, prep, encs) -> Union[Doc, Filtered]:
+    def _assemble(self, prep, encs) -> Union[RecordOutput, Filtered]:
         parts_by_source, values, domain, chars = prep
-        seqs: dict[str, Union[Seq, list[Seq]]] = {}
-        for name, parts in parts_by_source.items():
-            if parts and isinstance(parts[0], list):
-                seqs[name] = [self._truncate(self._join(p, encs)) for p in parts]
-            else:
-                seqs[name] = self._truncate(self._join(parts, encs))
+        seqs = {name: [self._truncate(self._join(p, encs)) for p in parts]
+                for name, parts in parts_by_source.items()}
         if self.has_labels:
-            for name, seq in seqs.items():
-                for one in seq if isinstance(seq, list) else [seq]:
+            for name, group in seqs.items():
+                for one in group:
                     if self.source_trains(name) and one.trained == 0:
                         reason = "no_trained_tokens_after_truncation" if one.truncated else "no_trained_tokens"
                         return Filtered(reason, f"{name or 'record'} has no trained token")
-        if "chosen" in seqs and "rejected" in seqs:
-            _check_shared_prompt(seqs["chosen"], seqs["rejected"])
-        return Doc(seqs, values, domain, chars)
+        for group in self.prompt_groups:
+            for other in group[1:]:
+                _check_shared_prompt(group[0], seqs[group[0]][0], other, seqs[other][0])
+        return RecordOutput(seqs, values, domain, chars)
 
     def source_trains(self, name: str) -> bool:
         secs, _ = self.sources[name]
         return any(s.action in ("train", "$role") for s in secs)
 
-    def _join(self, parts: list[_Part], encs) -> Seq:
+    def _join(self, parts: list[_Part], encs) -> TokenSeq:
         ids_l, lab_l, msg_l, roles = [], [], [], []
         for part in parts:
             enc = next(encs)
@@ -308,52 +318,58 @@ class Processor:
                     labels = label_tokens(part.chat, ids, spans, self.tok.special_ids,
                                           self.p.preprocessing.end_of_turn)
                 else:
-                    labels = np.full(len(ids), IGNORE, dtype=np.int32)
+                    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
                 tm = message_of_tokens(part.chat, spans)
                 tm[tm >= 0] += len(roles)
                 msg_l.append(tm)
                 roles.extend(part.roles)
             else:
-                labels = ids.copy() if part.train else np.full(len(ids), IGNORE, dtype=np.int32)
+                labels = ids.copy() if part.train else np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
                 msg_l.append(np.full(len(ids), -1, dtype=np.int32))
             ids_l.append(ids)
             lab_l.append(labels)
         ids = np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32)
         labels = np.concatenate(lab_l) if lab_l else np.zeros(0, np.int32)
         tmsg = np.concatenate(msg_l) if msg_l else np.zeros(0, np.int32)
-        return Seq(ids, labels if self.has_labels else None, tmsg, roles)
+        return TokenSeq(ids, labels if self.has_labels else None, tmsg, roles)
 
-    def _truncate(self, seq: Seq) -> Seq:
+    def _truncate(self, seq: TokenSeq) -> TokenSeq:
         limit = self.p.preprocessing.max_seq_len
         if limit is None or len(seq) <= limit:
             return seq
         cut = len(seq) - limit
         keep = slice(0, limit) if self.p.preprocessing.truncation_mode == "keep_start" else slice(cut, None)
         labels = None if seq.labels is None else seq.labels[keep]
-        return Seq(seq.input_ids[keep], labels, seq.token_msg[keep], seq.roles, seq.truncated + cut)
+        return TokenSeq(seq.input_ids[keep], labels, seq.token_msg[keep], seq.roles, seq.truncated + cut)
 
 
-def _check_shared_prompt(chosen: Seq, rejected: Seq):
-    """DPO: the tokens before the first trained token must be the same in chosen and rejected."""
-    def prompt(s: Seq) -> np.ndarray:
-        trained = np.flatnonzero(s.labels != IGNORE) if s.labels is not None else np.array([0])
+def _shared_prompt_groups(sources: dict) -> list[list[str]]:
+    """Plain sources whose first section renders the same prompt fields before their own answer
+    (a template section `field: [prompt, X]`), e.g. DPO's chosen and rejected, whatever their names:
+    preference training compares them token for token after a common prompt."""
+    groups: dict[tuple, list[str]] = {}
+    for name, (sections, list_field) in sources.items():
+        first = sections[0] if sections else None
+        if (list_field is None and first is not None and first.template and isinstance(first.field, list)
+                and len(first.field) > 1):
+            groups.setdefault(tuple(first.field[:-1]), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _check_shared_prompt(name_a: str, a: TokenSeq, name_b: str, b: TokenSeq):
+    """The tokens before the first trained token must be the same in both sequences."""
+    def prompt(s: TokenSeq) -> np.ndarray:
+        trained = np.flatnonzero(s.labels != IGNORE_INDEX) if s.labels is not None else np.array([0])
         return s.input_ids[: trained[0] if len(trained) else len(s.input_ids)]
 
-    pc, pr = prompt(chosen), prompt(rejected)
-    if len(pc) != len(pr) or not np.array_equal(pc, pr):
-        raise RecordError("prompt_mismatch", f"chosen and rejected do not share the exact prompt tokens "
-                                             f"({len(pc)} vs {len(pr)} tokens before the answer)")
+    pa_, pb = prompt(a), prompt(b)
+    if len(pa_) != len(pb) or not np.array_equal(pa_, pb):
+        raise RecordError("prompt_mismatch", f"{name_a} and {name_b} do not share the exact prompt tokens "
+                                             f"({len(pa_)} vs {len(pb)} tokens before the answer)")
 
 
 def _parts_of(parts_by_source) -> list[_Part]:
-    out = []
-    for parts in parts_by_source.values():
-        if parts and isinstance(parts[0], list):
-            for p in parts:
-                out.extend(p)
-        else:
-            out.extend(parts)
-    return out
+    return [part for groups in parts_by_source.values() for parts in groups for part in parts]
 
 
 def _field(rec: dict, name: str):

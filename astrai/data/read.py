@@ -38,7 +38,9 @@ class Partition:
     kind: str  # jsonl | json | parquet | arrow
     start: int  # jsonl: byte offset; parquet: first row group; arrow/json: 0
     end: int  # jsonl: byte offset (exclusive); parquet: last row group (exclusive); else -1
-    first_line: int = 1  # jsonl: line number of the byte at `start`; parquet: first row number (0-based)
+    # how the first record is located in errors: jsonl: the 1-based line number of the byte at
+    # `start`; parquet: the 0-based row number of its first row group (rows are counted from 0)
+    first_where: int = 1
 
     @property
     def name(self) -> str:
@@ -194,7 +196,7 @@ def read_partition(p: Partition, batch_size: int) -> Iterator[list[Item]]:
 
 
 def _read_jsonl(p: Partition) -> Iterator[Item]:
-    line_no = p.first_line
+    line_no = p.first_where
     with open(p.file, "rb") as fh:
         fh.seek(p.start)
         pos = p.start
@@ -261,7 +263,7 @@ def _read_parquet(p: Partition) -> Iterator[Item]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(p.file)
-    row = p.first_line
+    row = p.first_where
     if p.end <= p.start:
         return
     for batch in pf.iter_batches(row_groups=list(range(p.start, p.end)), batch_size=1024):

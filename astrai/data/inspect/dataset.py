@@ -20,7 +20,11 @@ import numpy as np
 
 from astrai.data.errors import InputError
 from astrai.data.inspect.tokens import TokenText
-from astrai.data.inspect.views import IGNORE, Entry, Report
+from astrai.data.inspect.views import Entry, Report
+from astrai.schema import (
+    IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS, TOKEN_COLUMNS, is_source_token_column, source_column,
+    source_of_column,
+)
 
 
 def dataset_report(out: Path, wanted: list[int], tokenizer: Optional[str], explicit: bool = False) -> Report:
@@ -73,7 +77,7 @@ def _dataset_rows(out: Path, manifest: dict, wanted: list[int], tt: TokenText) -
                 for k in here:
                     row = table.slice(k - base, 1).to_pylist()[0]
                     where = f"{shard} row {k - base}"
-                    yield _bin_entry(row, k, where, pipe, tt) if "input_ids" in row else _row_entry(row, k, where,
+                    yield _bin_entry(row, k, where, pipe, tt) if INPUT_IDS in row else _row_entry(row, k, where,
                                                                                                     pipe, tt)
             base += rows
             want = [k for k in want if k >= base]
@@ -84,10 +88,10 @@ def _dataset_rows(out: Path, manifest: dict, wanted: list[int], tt: TokenText) -
 def _bin_entry(row: dict, index: int, where: str, pipe: dict, tt: TokenText) -> Entry:
     from astrai.data.write import positions
 
-    ids, labels = row["input_ids"], row.get("labels")
-    trained = np.ones(len(ids), bool) if labels is None else np.asarray(labels) != IGNORE
-    seq_lens = [int(x) for x in (row.get("seq_lens") or [len(ids)])]
-    pos = None if row.get("position_ids") is None else np.asarray(row["position_ids"], dtype=np.int64)
+    ids, labels = row[INPUT_IDS], row.get(LABELS)
+    trained = np.ones(len(ids), bool) if labels is None else np.asarray(labels) != IGNORE_INDEX
+    seq_lens = [int(x) for x in (row.get(SEQ_LENS) or [len(ids)])]
+    pos = None if row.get(POSITION_IDS) is None else np.asarray(row[POSITION_IDS], dtype=np.int64)
     pp = pipe.get("preprocessing") or {}
     packed = pp.get("max_packed_len") or pp.get("max_seq_len")
     packed = packed if pp.get("packing_strategy", "none") != "none" else None
@@ -95,7 +99,7 @@ def _bin_entry(row: dict, index: int, where: str, pipe: dict, tt: TokenText) -> 
     docs = np.repeat(np.arange(len(seq_lens)), seq_lens)
     docs = docs if len(docs) == len(ids) else np.zeros(len(ids), np.int64)  # inconsistent row: warned below
     e.seqs.append(tt.view(ids, trained, pos, docs, is_bin=True))
-    e.values = {k: v for k, v in row.items() if k not in ("input_ids", "labels", "position_ids", "seq_lens")}
+    e.values = {k: v for k, v in row.items() if k not in TOKEN_COLUMNS}
     mode = (pipe.get("output") or {}).get("position_ids_mode", "doc_reset")
     if sum(seq_lens) != len(ids):
         e.notes.append(f"warning: seq_lens sum to {sum(seq_lens)} but the row has {len(ids)} tokens")
@@ -113,19 +117,19 @@ def _row_entry(row: dict, index: int, where: str, pipe: dict, tt: TokenText) -> 
     secs = (pipe.get("input") or {}).get("sources") or {}
     # the writer's rule: no labels column = all trained for plain text, all masked for a prompt-only source
     has_labels = any(s.get("template") or s.get("action") == "mask" for src in secs.values() for s in src["sections"])
-    for name in sorted(k[:-len("_input_ids")] for k in row if k.endswith("_input_ids")):
+    for name in sorted(filter(None, map(source_of_column, row))):
         sections = (secs.get(name) or {}).get("sections", [])
         if sections and all(s.get("action") == "value" for s in sections):
             continue  # a value-only source (rewards): its values are shown with the row
         trains = any(s.get("action") in ("train", "$role") for s in sections) and not has_labels
-        ids, labels = row[f"{name}_input_ids"], row.get(f"{name}_labels")
+        ids, labels = row[source_column(name, INPUT_IDS)], row.get(source_column(name, LABELS))
         nested = bool(ids) and isinstance(ids[0], list)
         pairs = list(zip(ids, labels or [None] * len(ids))) if nested else [(ids, labels)]
         for j, (one, lab) in enumerate(pairs):
-            trained = np.asarray(lab) != IGNORE if lab is not None else np.full(len(one), trains)
+            trained = np.asarray(lab) != IGNORE_INDEX if lab is not None else np.full(len(one), trains)
             e.seqs.append(tt.view(one, trained, None, np.zeros(len(one), np.int64), source=name,
                                   item=j if nested else None))
-    e.values = {k: v for k, v in row.items() if not k.endswith(("_input_ids", "_labels"))}
+    e.values = {k: v for k, v in row.items() if not is_source_token_column(k)}
     return e
 
 

@@ -17,7 +17,6 @@ time it takes to load the tokenizer.
 from __future__ import annotations
 
 import os
-from collections import Counter
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -25,47 +24,27 @@ import numpy as np
 
 from astrai.data.errors import InputError, RecordError
 from astrai.data.inspect.tokens import TokenText
-from astrai.data.inspect.views import IGNORE, Entry, Report
+from astrai.data.inspect.views import Entry, Report
+from astrai.data.stats import Tally, record_stats
+from astrai.schema import IGNORE_INDEX
 
 
-def records_report(path: str, inputs: Optional[list[str]], wanted: list[int], overrides: list[str],
-                   tokenizer: Optional[str], explicit: bool = False) -> Report:
+def records_report(title: str, pipeline, base_dir: str, tokenizer: str, inputs: list[str], wanted: list[int],
+                   explicit: bool = False) -> Report:
+    """The wanted records of `inputs` under `pipeline` (paths resolved by the caller: astrai.cli.inspect)."""
     from astrai.data.process import Processor
     from astrai.data.read import expand_inputs
     from astrai.data.tokenizer import load_tokenizer
 
-    pipeline, pipe_dir, tok_spec, tok_base, recipe_inputs = _load_config(path, overrides, tokenizer)
-    inputs = inputs or recipe_inputs
-    if not inputs:
-        raise InputError(f"{path} is a pipeline: give the records to inspect with -i INPUT (a recipe names its own)")
-    proc = Processor(pipeline, load_tokenizer(tok_spec, tok_base), pipe_dir)
+    proc = Processor(pipeline, load_tokenizer(tokenizer, base_dir), base_dir)
     seen: dict = {}
     items = list(read_records(expand_inputs(inputs), wanted, seen))
     found = {i for i, _, _, _ in items}
     notes = [f"record {k}: not in the input (it has {seen.get('records')} records)"
              for k in wanted if explicit and k not in found]
-    entries = _process(proc, pipeline, TokenText(proc.tok), items)
-    return Report(f"{path} on {', '.join(inputs)}", path, entries, records_stats(entries), list(inputs), notes)
-
-
-def _load_config(path: str, overrides: list[str], tokenizer: Optional[str]):
-    """(pipeline, pipeline dir, tokenizer spec, its base dir, the recipe's inputs) for a pipeline or a recipe."""
-    from astrai.config import load_any
-
-    if not Path(path).is_file():
-        raise InputError(f"{path}: no such file (give a pipeline/recipe YAML or a preprocessed output directory)")
-    cfg = load_any(path, tuple(overrides))  # a recipe's `pipeline.KEY=...` overrides go to its pipeline
-    pipeline, pipe_path = cfg.pipeline, cfg.pipeline_path
-    inputs = [cfg.recipe_path(i) for i in cfg.recipe.preprocess.inputs] if cfg.recipe else []
-    spec, tok_base = cfg.recipe_tokenizer, None
-    if tokenizer:
-        # a path typed on the command line is relative to the working directory (else to the pipeline)
-        spec, tok_base = tokenizer, Path.cwd() if Path(tokenizer).exists() else pipe_path.parent
-    elif not spec:
-        spec, tok_base = pipeline.tokenizer, pipe_path.parent
-    if not spec:
-        raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
-    return pipeline, str(pipe_path.parent), spec, tok_base, inputs
+    entries, tally = _process(proc, pipeline, TokenText(proc.tok), items)
+    return Report(f"{title} on {', '.join(inputs)}", title, entries, record_stats([tally.summary()]), list(inputs),
+                  notes)
 
 
 def read_records(files: list[Path], wanted: list[int], seen: Optional[dict] = None) -> Iterator[tuple]:
@@ -156,14 +135,15 @@ def _where(file: str, where: str) -> str:
     return f"{shown}:{where}" if where.isdigit() else f"{shown} {where}"
 
 
-def _process(proc, pipeline, tt: TokenText, items) -> list[Entry]:
+def _process(proc, pipeline, tt: TokenText, items) -> tuple[list[Entry], Tally]:
+    """Entries for the records shown, and their statistics counted as preprocess counts them."""
     from astrai.data.process import Filtered
 
     pp = pipeline.preprocessing
     todo = [(i, rec) for i, rec, _, _ in items
             if not isinstance(rec, RecordError) and (pp.max_items is None or i < pp.max_items)]
     results = dict(zip([i for i, _ in todo], proc.process_batch([rec for _, rec in todo]))) if todo else {}
-    entries = []
+    entries, tally = [], Tally()
     for i, rec, file, where in items:
         e = Entry("record", i, _where(file, where), "kept")
         res = rec if isinstance(rec, RecordError) else results.get(i)
@@ -172,64 +152,37 @@ def _process(proc, pipeline, tt: TokenText, items) -> list[Entry]:
             e.detail = f"preprocessing.max_items is {pp.max_items}: preprocess reads records 0..{pp.max_items - 1}"
         elif isinstance(res, RecordError):
             err = res.located(file, where)
+            tally.add_rejected(err.reason)
             e.status, e.reason, e.detail = "rejected", err.reason, str(err)
             if pp.on_error == "raise":
                 e.notes.append("on_error is raise: preprocess stops at this record")
         elif isinstance(res, Filtered):
             e.status, e.reason, e.detail = "filtered", res.reason, res.detail
+            tally.add_filtered(res.reason)
         else:
             _fill_doc(e, res, proc, pipeline, tt)
+            tally.add_kept(res)
+        if e.status != "excluded":
+            tally.c["read"] += 1
         entries.append(e)
-    return entries
+    return entries, tally
 
 
 def _fill_doc(e: Entry, doc, proc, pipeline, tt: TokenText):
     multi = pipeline.input.sources is not None
     mode = "none" if multi else pipeline.output.position_ids_mode  # multi-output rows carry no position ids
-    for name, seq in doc.seqs.items():
-        if all(sec.action == "value" for sec in proc.sources[name][0]):
-            continue  # a value-only source (rewards) has no tokens: its values are shown with the record
-        for j, s in enumerate(seq) if isinstance(seq, list) else [(None, seq)]:
+    for name, group in doc.seqs.items():  # a value-only source (rewards) has no sequences
+        for j, s in enumerate(group):
+            item = j if name in proc.list_sources else None  # numbered only for list sources (GRPO)
             n = len(s)
-            trained = np.ones(n, bool) if s.labels is None else np.asarray(s.labels) != IGNORE
+            trained = np.ones(n, bool) if s.labels is None else np.asarray(s.labels) != IGNORE_INDEX
             pos = None if mode == "none" else np.arange(n, dtype=np.int64)
             e.seqs.append(tt.view(s.input_ids, trained, pos, np.zeros(n, np.int64), msg=np.asarray(s.token_msg),
-                                  roles=list(s.roles), truncated=int(s.truncated), source=name, item=j))
+                                  roles=list(s.roles), truncated=int(s.truncated), source=name, item=item))
     e.values = dict(doc.values)
-    pp, packed = pipeline.preprocessing, pipeline.packed_len
+    pp, packed = pipeline.preprocessing, pipeline.bin_capacity
     n = len(e.seqs[0].ids) if e.seqs else 0
     if not multi and packed and pp.packing_strategy != "none" and n > packed:
         e.notes.append(f"bfd_split: split over {-(-n // packed)} bins of {packed} tokens"
                        if pp.packing_strategy == "bfd_split" else
                        f"packing cuts {n - packed} more tokens ({pp.truncation_mode}, max_packed_len {packed})")
-
-
-def records_stats(entries: list[Entry]) -> dict:
-    """The stats.json figures for the records shown (same keys, so one renderer serves both)."""
-    from astrai.data.preprocess import HIST_EDGES
-
-    c, filt, rej, roles, troles, hist = Counter(), Counter(), Counter(), Counter(), Counter(), Counter()
-    for e in entries:
-        c[e.status] += 1
-        if e.status in ("filtered", "rejected"):
-            (filt if e.status == "filtered" else rej)[e.reason] += 1
-        for v in e.seqs:
-            c["tokens"] += len(v.ids)
-            c["trained"] += int(v.trained.sum())
-            c["truncated_tokens"] += v.truncated
-            c["truncated_docs"] += bool(v.truncated)
-            k = int(np.searchsorted(HIST_EDGES, len(v.ids)))
-            hist[f"<={HIST_EDGES[k]}" if k < len(HIST_EDGES) else f">{HIST_EDGES[-1]}"] += 1
-            outside = "template" if v.roles else "text"  # tokens outside any message, named as in stats.json
-            for k in range(len(v.ids)):
-                role = v.role(k) or outside
-                roles[role] += 1
-                troles[role] += bool(v.trained[k])
-    tokens = c["tokens"]
-    return {"records_read": len(entries) - c["excluded"], "records_kept": c["kept"],
-            "records_filtered": c["filtered"], "records_rejected": c["rejected"],
-            "filtered_by_reason": dict(filt), "rejected_by_reason": dict(rej), "tokens": tokens,
-            "trained_tokens": c["trained"], "supervised_share": c["trained"] / tokens if tokens else None,
-            "truncated_tokens": c["truncated_tokens"], "truncated_docs": c["truncated_docs"],
-            "tokens_per_role": dict(roles), "trained_tokens_per_role": {k: v for k, v in troles.items() if v},
-            "doc_length_histogram": dict(hist)}

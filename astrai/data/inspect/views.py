@@ -17,7 +17,6 @@ from typing import Optional
 
 import numpy as np
 
-IGNORE = -100  # labels: not trained (as astrai.data.mask.IGNORE)
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""`astrai preprocess PIPELINE -i INPUT... -o OUT`: records -> Parquet shards with exact labels."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from astrai.config import Pipeline, Section, Source, load_any, model_help
+
+
+def help_for(verb: str) -> str:
+    return "records -> Parquet shards with exact labels"
+
+
+def add_arguments(p):
+    p.epilog = ("pipeline keys (--set KEY=VALUE):\n" + "\n".join(model_help(Pipeline))
+                + "\n\nsection keys (each item of input.sections, or of input.sources.NAME.sections):\n"
+                + "\n".join(model_help(Section, "  ")) + "\n\nsource keys (input.sources.NAME):\n"
+                + "\n".join(model_help(Source, "  ")))
+    p.add_argument("pipeline", help="pipeline YAML")
+    p.add_argument("-i", "--input", dest="inputs", action="append", required=True, metavar="INPUT",
+                   help="input file, glob or saved HF dataset dir (repeatable)")
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (overrides the pipeline's) [default: "
+                                                     "the pipeline's tokenizer]")
+    p.add_argument("--workers", type=int, default=None, help="worker processes [default: number of cores]")
+
+
+def run(args) -> int:
+    from astrai.data.preprocess import run_preprocess
+
+    cfg = load_any(args.pipeline, tuple(args.overrides))
+    if cfg.recipe is not None:
+        print(f"error: {args.pipeline} is a recipe, not a pipeline (use astrai run)", file=sys.stderr)
+        return 1
+    t0 = time.time()
+    run_preprocess(cfg.pipeline, args.inputs, args.output, tokenizer=cfg.tokenizer(args.tokenizer),
+                   workers=args.workers, base_dir=cfg.base_dir)
+    print(f"done in {time.time() - t0:.1f}s")
+    return 0

@@ -1,0 +1,133 @@
+"""The recipe model and loading a pipeline-or-recipe with its paths resolved in one place.
+
+A recipe chains stages (`preprocess:`, then `train:`, `eval:` ... when they land). Its model has
+one typed field per stage of the registry (astrai.config.stages), so a stage's block is checked
+by that stage's options model like any other config, before anything runs.
+
+`load_any` is what every verb that accepts "a pipeline or a recipe" calls; the `Loaded` it
+returns resolves the tokenizer and template paths the same way for all of them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import Field, create_model, model_validator
+
+from astrai.config.loading import (
+    ConfigError, Problem, StrictModel, find_mark, get_in, load_yaml, override, raise_combination_problems,
+    validate_data,
+)
+from astrai.config.pipeline import Pipeline, load_pipeline
+from astrai.config.stages import STAGES, StageContext
+
+
+class _RecipeBase(StrictModel):
+    version: Literal[1] = Field(description="recipe format version")
+    name: Optional[str] = Field(None, description="a name for logs")
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        return raise_combination_problems(self)
+
+    @classmethod
+    def combination_problems(cls, data: Any) -> list[tuple[tuple, str]]:
+        return recipe_combination_problems(data)
+
+
+def _stage_field(stage):
+    if not stage.landed:
+        # declared so that the problem is "not available yet", not "unknown key"
+        return Optional[dict[str, Any]], Field(None, description=f"(not available yet: {stage.help})")
+    if stage.required:
+        return stage.options, Field(description=stage.help)
+    return Optional[stage.options], Field(None, description=stage.help)
+
+
+def recipe_model(stages: dict) -> type[StrictModel]:
+    """The recipe model for a stage registry: each stage's block checked by the stage's options model."""
+    model = create_model("Recipe", __base__=_RecipeBase, **{s.name: _stage_field(s) for s in stages.values()})
+    model.__doc__ = "A recipe: one block per stage (astrai.config.stages), each checked by its options model."
+    return model
+
+
+Recipe = recipe_model(STAGES)
+
+
+def recipe_combination_problems(data: Any) -> list[tuple[tuple, str]]:
+    return [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from the recipe")
+            for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
+
+
+def load_recipe(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Recipe:
+    data, marks = load_yaml(path)
+    override(data, overrides, path)
+    return validate_data(data, Recipe, str(path), marks)
+
+
+def detect_kind(data: Any) -> str:
+    """'recipe' or 'pipeline', from the top-level keys (a recipe's keys are stage names)."""
+    if isinstance(data, dict) and any(name in data for name in STAGES):
+        return "recipe"
+    return "pipeline"
+
+
+def split_overrides(overrides) -> tuple[list[str], list[str]]:
+    """Recipe overrides, and the `pipeline.KEY=...` ones that go to the recipe's pipeline."""
+    recipe = [o for o in overrides if not o.startswith("pipeline.")]
+    pipe = [o[len("pipeline."):] for o in overrides if o.startswith("pipeline.")]
+    return recipe, pipe
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A pipeline file, or a recipe with its pipeline, with paths resolved the way every verb needs."""
+
+    recipe: Optional[Recipe]
+    pipeline: Pipeline
+    pipeline_path: Path
+    recipe_dir: Optional[Path] = None
+
+    @property
+    def base_dir(self) -> str:
+        """Where the pipeline's own relative paths (a .jinja template, a tokenizer dir) are resolved."""
+        return str(self.pipeline_path.parent)
+
+    def recipe_path(self, rel: str) -> str:
+        """A path written in the recipe (inputs, output, tokenizer), relative to the recipe file."""
+        return StageContext(self.recipe_dir).path(rel)
+
+    @property
+    def recipe_inputs(self) -> list[str]:
+        return [self.recipe_path(i) for i in self.recipe.preprocess.inputs] if self.recipe else []
+
+    def tokenizer(self, command_line: Optional[str] = None) -> Optional[str]:
+        """The tokenizer to load (with base_dir): --tokenizer (relative to the working directory, else to
+        the pipeline), else the recipe's (relative to the recipe), else the pipeline's own."""
+        if command_line:
+            if command_line.startswith("package:"):
+                return command_line
+            p = Path(command_line)
+            return str((p if p.exists() else self.pipeline_path.parent / p).resolve())
+        tok = self.recipe.preprocess.tokenizer if self.recipe else None
+        return StageContext(self.recipe_dir).tokenizer(tok) if tok else self.pipeline.tokenizer
+
+
+def load_any(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Loaded:
+    """Load a pipeline or a recipe (by its keys). For a recipe, its pipeline is loaded and checked too,
+    and `pipeline.KEY=...` overrides go to that pipeline."""
+    data, marks = load_yaml(path)
+    if detect_kind(data) != "recipe":
+        override(data, overrides, path)
+        return Loaded(None, validate_data(data, Pipeline, str(path), marks), Path(path))
+    r_over, p_over = split_overrides(overrides)
+    override(data, r_over, path)
+    recipe = validate_data(data, Recipe, str(path), marks)
+    pipe_path = Path(path).parent / recipe.preprocess.pipeline
+    if not pipe_path.exists():
+        line, col = find_mark(marks, ("preprocess", "pipeline"))
+        raise ConfigError(str(path), [Problem("preprocess.pipeline", f"file not found: {pipe_path}", line, col)])
+    return Loaded(recipe, load_pipeline(pipe_path, tuple(p_over)), pipe_path, Path(path).parent)

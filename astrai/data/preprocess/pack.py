@@ -1,0 +1,124 @@
+"""The global packing pass (bfd, bfd_split): bins planned over the whole dataset, then shards.
+
+Bins are planned from the document lengths of every partition (the only thing held for all
+documents); consecutive bins make a shard until max_tokens_per_shard; each shard is one task
+that gathers its pieces from the memory-mapped intermediates into `data/packed-KKKKK.parquet`.
+A shard is done when its final name exists, so a rerun writes only the missing ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from astrai.data.packing import plan_bins
+from astrai.data.preprocess.job import Job, Worker
+from astrai.data.read import Partition
+from astrai.data.write import ShardWriter, rows_columns
+from astrai.runtime import run_tasks
+from astrai.schema import INPUT_IDS, LABELS
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One packed shard: its pieces, each a token range of a document in a partition's intermediate."""
+
+    path: str
+    part_names: list[str]  # intermediate file per partition index
+    piece_part: np.ndarray  # partition index of each piece
+    piece_row: np.ndarray  # the document's row inside that partition's intermediate
+    piece_start: np.ndarray  # token offset of the piece in its document
+    piece_len: np.ndarray
+    bin_offsets: np.ndarray  # bin b holds pieces bin_offsets[b]:bin_offsets[b+1]
+
+
+def pack_globally(job: Job, parts: list[Partition], workers: int, worker: Worker,
+                  log: Callable[[str], None]) -> dict:
+    """Plan the bins, write the missing shards; return the packing figures for stats.json."""
+    lengths = [np.load(job.work / f"{p.name}.lengths.npy") for p in parts]
+    doc_part = np.concatenate([np.full(len(l), i, dtype=np.int32) for i, l in enumerate(lengths)]) if lengths else \
+        np.zeros(0, np.int32)
+    doc_row = np.concatenate([np.arange(len(l), dtype=np.int64) for l in lengths]) if lengths else \
+        np.zeros(0, np.int64)
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    pp = job.pipeline.preprocessing
+    capacity = job.pipeline.bin_capacity
+    plan = plan_bins(all_lengths, capacity, pp.packing_strategy, pp.truncation_mode)
+    bin_tokens = plan.bin_lengths()
+    tasks = []
+    for k, (b0, b1) in enumerate(shard_ranges(bin_tokens, job.pipeline.output.max_tokens_per_shard)):
+        path = Path(job.out) / "data" / f"packed-{k:05d}.parquet"
+        if path.exists():
+            continue
+        p0, p1 = plan.bin_offsets[b0], plan.bin_offsets[b1]
+        docs = plan.piece_doc[p0:p1]
+        tasks.append(ShardTask(str(path), [p.name for p in parts], doc_part[docs], doc_row[docs],
+                               plan.piece_start[p0:p1], plan.piece_len[p0:p1], plan.bin_offsets[b0:b1 + 1] - p0))
+    run_tasks(write_packed_shard, tasks, workers=workers, setup=partial(Worker.build, job), context=worker,
+              what="shards", log=log)
+    n_bins = plan.n_bins
+    return {"bins": n_bins, "pack_truncated_tokens": int(plan.truncated_tokens),
+            "pack_truncated_docs": int(plan.truncated_docs),
+            "packing_efficiency": (int(bin_tokens.sum()) / (n_bins * capacity)) if n_bins else None,
+            "rows": n_bins}
+
+
+def shard_ranges(bin_tokens: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive bins [b0, b1) per shard: a shard closes once it holds max_tokens."""
+    out, start, acc = [], 0, 0
+    for b, t in enumerate(bin_tokens.tolist()):
+        acc += t
+        if acc >= max_tokens:
+            out.append((start, b + 1))
+            start, acc = b + 1, 0
+    if start < len(bin_tokens):
+        out.append((start, len(bin_tokens)))
+    return out
+
+
+def write_packed_shard(worker: Worker, task: ShardTask):
+    import pyarrow as pa
+
+    job = worker.job
+    tables = {}
+
+    def table(i):
+        if i not in tables:
+            path = job.work / f"{task.part_names[i]}.arrow"
+            tables[i] = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        return tables[i]
+
+    o = job.pipeline.output
+    has_labels = None
+    ids_out, lab_out = [], []
+    for j in range(len(task.piece_part)):
+        t = table(int(task.piece_part[j]))
+        if has_labels is None:
+            has_labels = LABELS in t.column_names
+        row, s, n = int(task.piece_row[j]), int(task.piece_start[j]), int(task.piece_len[j])
+        ids_out.append(_list_slice(t.column(INPUT_IDS), row, s, n))
+        if has_labels:
+            lab_out.append(_list_slice(t.column(LABELS), row, s, n))
+    cols = rows_columns(ids_out, lab_out if has_labels else None, task.piece_len, task.bin_offsets,
+                        o.position_ids_mode)
+    w = ShardWriter(Path(task.path), o.row_group_rows)
+    try:
+        w.write(pa.table(cols))
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _list_slice(col, row: int, start: int, n: int) -> np.ndarray:
+    chunk_row = row
+    for chunk in col.chunks:
+        if chunk_row < len(chunk):
+            off = chunk.offsets[chunk_row].as_py()
+            return chunk.values.slice(off + start, n).to_numpy(zero_copy_only=False)
+        chunk_row -= len(chunk)
+    raise IndexError(row)

@@ -1,0 +1,171 @@
+"""Run orchestration: fingerprint, output-directory lifecycle, the passes in order, stats and manifest.
+
+A run: resolve the tokenizer and template; plan input partitions; fingerprint everything the
+output depends on; if manifest.json carries that fingerprint, stop ("up to date"); otherwise
+prepare the directory (an output of another fingerprint is removed, markers first), run the
+tokenize pass over the partitions not yet done, the global packing pass when packing is bfd or
+bfd_split, then merge statistics and rejects and write stats.json and, last, manifest.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Callable, Optional
+
+from astrai import __version__
+from astrai.config.pipeline import Pipeline
+from astrai.data.errors import InputError
+from astrai.data.preprocess.job import WORK, Job, Worker
+from astrai.data.preprocess.pack import pack_globally
+from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition
+from astrai.data.process import Processor
+from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_partitions
+from astrai.data.stats import dataset_stats
+from astrai.data.template import resolve_template
+from astrai.data.tokenizer import load_tokenizer
+from astrai.runtime import atomic_write_text, is_done, read_marker, remove_stale_tmp, run_tasks
+
+FORMAT_VERSION = 1
+
+
+def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str] = None,
+                   workers: Optional[int] = None, base_dir: Optional[str] = None,
+                   log: Callable[[str], None] = print) -> dict:
+    base_dir = str(base_dir or os.getcwd())
+    tok_spec = tokenizer or pipeline.tokenizer
+    if not tok_spec:
+        raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
+    tok = load_tokenizer(tok_spec, base_dir)
+    template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
+    files = expand_inputs(inputs)  # relative to the working directory; recipes join their own base
+    digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
+    parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
+    fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests)
+    outp = Path(out)
+    manifest = outp / "manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
+        shutil.rmtree(outp / WORK, ignore_errors=True)  # left if a run died right after its manifest
+        log(f"{out}: up to date (fingerprint {fp[:12]}), nothing to do")
+        return json.loads((outp / "stats.json").read_text())
+    prepare_output_dir(outp, fp)
+    job = Job(pipeline, str(tok.path), base_dir, str(outp))
+    workers = max(1, workers or os.cpu_count() or 1)
+    # built once here (no encoding yet) from the tokenizer and template already loaded; forked
+    # workers inherit it, spawned ones build their own from the job
+    worker = Worker(job, Processor(pipeline, tok, base_dir, template))
+
+    todo = [p for p in parts if not is_done(job.marker(p.name))]
+    if len(todo) < len(parts):
+        log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done")
+    if pipeline.preprocessing.max_items is not None:
+        _tokenize_in_order(worker, parts)
+    else:
+        run_tasks(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
+                  setup=partial(Worker.build, job), context=worker, what="partitions", log=log)
+
+    summaries = [read_marker(job.marker(p.name)) for p in parts]
+    packing = pack_globally(job, parts, workers, worker, log) if job.global_pack else None
+    stats = dataset_stats(pipeline, summaries, packing)
+    shards = sorted(str(p.relative_to(outp)) for p in (outp / "data").glob("*.parquet"))
+    _merge_rejects(outp, parts)
+    atomic_write_text(outp / "stats.json", json.dumps(stats, indent=2) + "\n")  # keys in reading order
+    man = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fp,
+        "pipeline": json.loads(pipeline.model_dump_json()),
+        "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint},
+        "chat_template": template.name if template else None,
+        "inputs": [str(f) for f in files],
+        "shards": shards,
+        "columns": _columns(outp, shards),
+        "counts": {k: stats[k] for k in ("records_read", "records_kept", "records_filtered", "records_rejected",
+                                         "rows", "tokens")},
+    }
+    atomic_write_text(manifest, json.dumps(man, indent=2, sort_keys=True) + "\n")  # the run's completion marker
+    shutil.rmtree(outp / WORK, ignore_errors=True)
+    log(f"{out}: {stats['records_kept']} records kept of {stats['records_read']} read, {stats['rows']} rows, "
+        f"{stats['tokens']} tokens ({stats['trained_tokens']} trained) in {len(shards)} shard(s)")
+    return stats
+
+
+def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[Path],
+                digests: Optional[dict] = None) -> str:
+    h = hashlib.sha256()
+    # partition_bytes changes partitions, hence shard names: it is part of the pipeline dump
+    # the astrai version is in: a release that changes how records are tokenized must not reuse old output
+    h.update(json.dumps({"format": FORMAT_VERSION, "astrai": __version__,
+                         "pipeline": json.loads(pipeline.model_dump_json()),
+                         "tokenizer": tok_fp, "template": template_src}, sort_keys=True).encode())
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        if f.is_dir():
+            for sub in sorted(f.rglob("*")):
+                if sub.is_file():
+                    h.update(sub.name.encode() + file_fingerprint(str(sub)).encode())
+        else:
+            h.update(((digests or {}).get(str(f)) or file_fingerprint(str(f))).encode())
+    return h.hexdigest()
+
+
+def prepare_output_dir(outp: Path, fp: str):
+    """Make `outp` ready for a run of fingerprint `fp`: keep a resumable run of the same fingerprint,
+    remove an output of another one, refuse a directory that is not an astrai output."""
+    work = outp / WORK
+    if outp.exists() and any(outp.iterdir()):
+        ours = any((outp / n).exists() for n in ("manifest.json", "stats.json", WORK))
+        if not ours:
+            raise InputError(f"output {outp} exists, is not empty and is not an astrai output; choose another -o")
+        stale = not (work / "fingerprint").exists() or (work / "fingerprint").read_text() != fp
+        if stale:  # another pipeline/input/tokenizer: the old output is invalid
+            # Markers go first, shards after: killed half-way, the leftovers must never read as done
+            # (a manifest saying "up to date", or .work/fingerprint resuming into partitions whose
+            # shards are gone), and .work itself stays until the shards are gone so the directory
+            # is still recognised as ours.
+            for name in ("manifest.json", f"{WORK}/fingerprint", "data", WORK, "stats.json", "rejects.jsonl"):
+                target = outp / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+    (outp / "manifest.json").unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    (outp / "data").mkdir(exist_ok=True)
+    remove_stale_tmp(outp)  # stats.json, manifest.json and rejects.jsonl are written under temporary names too
+    remove_stale_tmp(outp / "data")
+    remove_stale_tmp(work)
+    if not (work / "fingerprint").exists():
+        atomic_write_text(work / "fingerprint", fp)
+
+
+def _tokenize_in_order(worker: Worker, parts: list[Partition]):
+    """max_items counts records in input order, so a partition's limit needs the counts of the
+    earlier ones: partitions run one after another, here."""
+    budget = worker.job.pipeline.preprocessing.max_items
+    for p in parts:
+        marker = worker.job.marker(p.name)
+        if not is_done(marker):
+            tokenize_partition(worker, PartitionTask(p, limit=budget))
+        # a partition that read nothing (budget already spent, or only blank lines) has no "read" count
+        budget = max(budget - read_marker(marker).get("read", 0), 0)
+
+
+def _merge_rejects(outp: Path, parts: list[Partition]):
+    files = [outp / WORK / f"{p.name}.rejects.jsonl" for p in parts]
+    files = [f for f in files if f.exists()]
+    target = outp / "rejects.jsonl"
+    if not files:
+        target.unlink(missing_ok=True)
+        return
+    atomic_write_text(target, "".join(f.read_text(encoding="utf-8") for f in files))
+
+
+def _columns(outp: Path, shards: list[str]) -> list[str]:
+    """The columns as written (read from the first shard's schema, not declared a second time)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(outp / shards[0]).names if shards else []

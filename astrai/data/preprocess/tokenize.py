@@ -1,0 +1,65 @@
+"""The tokenize pass: one input partition read, rendered, tokenized, masked, counted and written.
+
+Records go batch by batch through the Processor; each result is counted (kept / filtered /
+rejected by reason, into a `Tally`) and kept records go to a sink: straight to the partition's
+shards (unpacked, simple packing, multi-output), or to an intermediate file for global packing.
+The partition's statistics are written last, as its completion marker.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from astrai.data.errors import RecordError
+from astrai.data.preprocess.job import Worker
+from astrai.data.preprocess.shards import IntermediateSink, ShardSink
+from astrai.data.process import Filtered
+from astrai.data.read import Partition, read_partition
+from astrai.data.stats import Tally
+from astrai.runtime import atomic_write_text, mark_done
+
+
+@dataclass(frozen=True)
+class PartitionTask:
+    part: Partition
+    limit: Optional[int] = None  # read at most this many records (what is left of max_items)
+
+
+def tokenize_partition(worker: Worker, task: PartitionTask):
+    job, proc, part, limit = worker.job, worker.processor, task.part, task.limit
+    pp = job.pipeline.preprocessing
+    tally = Tally()
+    rejects = []
+    sink = IntermediateSink(job, part) if job.global_pack else ShardSink(job, part, proc)
+    try:
+        for batch in read_partition(part, pp.batch_size):
+            if limit is not None:
+                batch = batch[: max(limit - tally.c["read"], 0)]
+                if not batch:
+                    break
+            tally.c["read"] += len(batch)
+            good = [rec for rec, _ in batch if not isinstance(rec, RecordError)]
+            results = iter(proc.process_batch(good) if good else [])
+            for rec, where in batch:
+                res = rec if isinstance(rec, RecordError) else next(results)
+                if isinstance(res, RecordError):
+                    err = res.located(part.file, where)
+                    if pp.on_error == "raise":
+                        raise err
+                    tally.add_rejected(err.reason)
+                    rejects.append({**err.as_json(), **({"record": rec} if isinstance(rec, dict) else {})})
+                elif isinstance(res, Filtered):
+                    tally.add_filtered(res.reason)
+                else:
+                    tally.add_kept(res)
+                    sink.add(res)
+        extra = sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
+    if rejects:
+        atomic_write_text(job.work / f"{part.name}.rejects.jsonl",
+                          "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rejects))
+    mark_done(job.marker(part.name), tally.summary(**extra))

@@ -1,0 +1,138 @@
+"""Runtime plumbing every stage reuses: a process pool, atomic writes, completion markers.
+
+Stages (preprocess today; train and generate next) describe their work as picklable task
+objects and a function `fn(context, task)`; this module runs them, in-process or on a pool of
+worker processes, and knows nothing about what they do (as datatrove keeps its executor apart
+from its steps).
+
+- `run_tasks`: the per-process context (a tokenizer, a processor, a model) is built once by the
+  pool initializer, not cached in a module global by the tasks themselves. With fork, workers
+  inherit the context the parent already built (no second load, nothing pickled); with spawn,
+  each worker builds it from the picklable `setup`. A worker killed from outside (the OOM
+  killer) fails the run with a message instead of hanging it, and the first error stops it.
+- `atomic_write_text` / `atomic_write_bytes`: written under `.NAME.tmp-PID`, fsynced, renamed;
+  a reader sees the old file or the whole new one, never half. `remove_stale_tmp` clears what a
+  killed run left.
+- completion markers: a unit of work is done when its marker exists; the marker is written last
+  (atomically) and may carry the unit's summary, so a rerun skips exactly the finished units.
+
+NOTE: this module imports nothing from astrai: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+# ---------------------------------------------------------------------------------------------
+# atomic files
+
+
+def tmp_name(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place (hidden, unique per process)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def atomic_write_bytes(path: Path, data: bytes):
+    path = Path(path)
+    tmp = tmp_name(path)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str):
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def remove_stale_tmp(folder: Path):
+    """Temporary files from a killed run (never part of the output)."""
+    folder = Path(folder)
+    if folder.exists():
+        for f in folder.glob(".*.tmp-*"):
+            f.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# completion markers
+
+
+def is_done(marker: Path) -> bool:
+    return Path(marker).exists()
+
+
+def mark_done(marker: Path, summary: dict):
+    """Write a unit's completion marker (its summary as JSON). Call it after everything else the
+    unit writes is in place: its existence is what a rerun trusts."""
+    atomic_write_text(marker, json.dumps(summary, sort_keys=True))
+
+
+def read_marker(marker: Path) -> dict:
+    return json.loads(Path(marker).read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# process pool
+
+_context: Any = None  # this worker process's context, set once by the pool initializer
+
+
+def _init_worker(setup: Callable[[], Any], context: Any):
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per worker process
+    global _context
+    _context = context if context is not None else setup()
+
+
+def _call(fn: Callable[[Any, Any], Any], task: Any):
+    return fn(_context, task)
+
+
+def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, setup: Callable[[], Any],
+              context: Any = None, what: str = "tasks", log: Callable[[str], None] = print) -> None:
+    """Run `fn(context, task)` for every task; in this process when workers == 1 or there is one
+    task, else on `workers` processes. `setup()` builds the context (picklable: a module-level
+    function or a functools.partial of one); `context`, when given, is that context already built
+    here. Results are not returned: tasks write their own outputs and markers."""
+    if not tasks:
+        return
+    if workers == 1 or len(tasks) == 1:
+        ctx = context if context is not None else setup()
+        for t in tasks:
+            fn(ctx, t)
+        return
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    # fork where available: workers start at once, inherit the context, and a caller's script needs
+    # no __main__ guard. The parent never encodes, so no tokenizer thread pool is inherited
+    # half-initialized. Not multiprocessing.Pool: when a worker is killed from outside, Pool waits
+    # forever for its task; this executor fails the run, and a rerun resumes.
+    fork = "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if fork else "spawn")
+    pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_worker,
+                               initargs=(setup, context if fork else None))
+    try:
+        futures = [pool.submit(_call, fn, t) for t in tasks]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()
+    except BrokenProcessPool:
+        raise RuntimeError(f"a worker process died while processing {what} (killed from outside, e.g. out of "
+                           f"memory); finished {what} are kept: rerun to resume") from None
+    except BaseException:
+        # stop at the first error: the other workers' unfinished work is redone on a rerun (their
+        # temporary files are removed then)
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    log(f"{len(tasks)} {what} done with {workers} workers")
+

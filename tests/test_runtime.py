@@ -1,0 +1,62 @@
+"""astrai.runtime: tasks run with a context built once per process, errors stop the run, atomic files."""
+
+import os
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from astrai.runtime import atomic_write_text, is_done, mark_done, read_marker, remove_stale_tmp, run_tasks, tmp_name
+
+
+def _setup(folder):
+    return {"folder": folder, "pid": os.getpid()}
+
+
+def _record(ctx, task):
+    # one file per task, naming the process that ran it and the process whose context it got
+    Path(ctx["folder"], f"t{task}").write_text(f"{os.getpid()} {ctx['pid']}")
+
+
+def _fail(ctx, task):
+    if task == 3:
+        raise ValueError("task 3 is bad")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_task_runs_once_with_a_context(tmp_path, workers):
+    run_tasks(_record, list(range(6)), workers=workers, setup=partial(_setup, str(tmp_path)), log=lambda s: None)
+    seen = {p.name: p.read_text().split() for p in tmp_path.iterdir()}
+    assert sorted(seen) == [f"t{i}" for i in range(6)]
+    if workers == 1:  # in this process, context built here
+        assert all(ran == str(os.getpid()) and ctx == ran for ran, ctx in seen.values())
+    else:  # other processes, each with the context its pool initializer set
+        assert all(ran != str(os.getpid()) and ctx == ran for ran, ctx in seen.values())
+
+
+def test_a_context_built_here_is_inherited_by_forked_workers(tmp_path):
+    ctx = _setup(str(tmp_path))
+    run_tasks(_record, list(range(4)), workers=2, setup=partial(_setup, "/nonexistent"), context=ctx,
+              log=lambda s: None)
+    # workers wrote into the folder of the parent's context (setup, pointing elsewhere, never ran)
+    assert len(list(tmp_path.iterdir())) == 4
+    assert {p.read_text().split()[1] for p in tmp_path.iterdir()} == {str(os.getpid())}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_first_error_stops_the_run(tmp_path, workers):
+    with pytest.raises(ValueError, match="task 3 is bad"):
+        run_tasks(_fail, list(range(5)), workers=workers, setup=partial(_setup, str(tmp_path)), log=lambda s: None)
+
+
+def test_atomic_files_and_markers(tmp_path):
+    target = tmp_path / "a.txt"
+    atomic_write_text(target, "héllo\n")
+    assert target.read_bytes() == "héllo\n".encode() and list(tmp_path.iterdir()) == [target]
+    tmp_name(target).write_text("left by a killed run")
+    remove_stale_tmp(tmp_path)
+    assert list(tmp_path.iterdir()) == [target]
+    marker = tmp_path / "p00000.json"
+    assert not is_done(marker)
+    mark_done(marker, {"read": 3, "kept": 2})
+    assert is_done(marker) and read_marker(marker) == {"kept": 2, "read": 3}
