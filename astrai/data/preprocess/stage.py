@@ -15,4 +15,5 @@ def run(options: PreprocessOptions, ctx: StageContext) -> None:
     pipeline = load_pipeline(pipe_path, ctx.pipeline_overrides)
     run_preprocess(pipeline, [ctx.path(i) for i in options.inputs], ctx.path(options.output),
                    tokenizer=ctx.tokenizer(options.tokenizer) if options.tokenizer else None, workers=options.workers,
-                   base_dir=str(pipe_path.parent), log=ctx.log)
+                   base_dir=str(pipe_path.parent), log=ctx.log, executor=options.executor,
+                   ray_address=options.ray_address)
