@@ -42,6 +42,39 @@ def test_node_problem_names_what_a_node_cannot_see(tmp_path, monkeypatch):
         f"cannot see the working directory {gone}")
 
 
+def test_cli_without_ray_names_the_extra(tmp_path, monkeypatch, capsys, tiny_tokenizer):
+    from astrai.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "p.yaml").write_text("version: 1\ninput: {sections: [{field: text}]}\n")
+    args = ["preprocess", str(tmp_path / "p.yaml"), "-i", str(tmp_path / "d.jsonl"), "-o", str(tmp_path / "o"),
+            "--tokenizer", str(tiny_tokenizer)]
+    assert main(args + ["--executor", "ray"]) == 1
+    assert "pip install 'astrai[ray]'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # stopped before any work
+    assert main(args + ["--ray-address", "10.0.0.1:6379"]) == 2
+    assert "--ray-address is only used with --executor ray" in capsys.readouterr().err
+    assert main(args) == 0 and (tmp_path / "o" / "manifest.json").exists()  # local needs no ray
+
+
+def test_recipe_executor_keys_are_validated(tmp_path, capsys):
+    from astrai.cli import main
+
+    (tmp_path / "p.yaml").write_text("version: 1\ninput: {sections: [{field: text}]}\n")
+    r = tmp_path / "r.yaml"
+    block = "version: 1\npreprocess:\n  pipeline: p.yaml\n  inputs: [a.jsonl]\n  output: o\n"
+    r.write_text(block + "  executor: ray\n  ray_address: 10.0.0.1:6379\n")
+    assert main(["validate", str(r)]) == 0
+    r.write_text(block + "  ray_address: 10.0.0.1:6379\n")
+    assert main(["validate", str(r)]) == 1
+    assert f"{r}:6:" in capsys.readouterr().out  # the problem sits on the ray_address line
+    r.write_text(block + "  executor: rya\n")
+    assert main(["validate", str(r)]) == 1
+    out = capsys.readouterr().out
+    assert "executor" in out and "'local'" in out and "'ray'" in out
+
+
 @pytest.fixture
 def executor(ray_cluster):
     from astrai.runtime_ray import RayExecutor

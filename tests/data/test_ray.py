@@ -175,3 +175,30 @@ def test_a_killed_driver_resumes_from_its_completed_partitions(ray_cluster, tiny
     assert resumed and int(resumed[0].split()[1]) >= 1, logs
     assert file_digests(out) == file_digests(tmp_path / "local")
     assert not list(out.rglob(".*.tmp-*")) and not list(out.glob(".ray-probe-*"))
+
+
+def test_a_bad_record_stops_the_run_with_its_file_and_line(ray_cluster, tiny_tokenizer, tmp_path):
+    from astrai.data.errors import RecordError
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_lines(300, seed=2) + '{"messages": [{"role": "asistant", "content": "x"}]}\n')
+    with pytest.raises(RecordError) as e:  # re-raised as itself, not as a Ray wrapper
+        run(pipeline(on_error="raise"), data, tmp_path / "o", tiny_tokenizer, "ray", ray_cluster)
+    assert f"{data}:301:" in str(e.value) and "messages[0].role" in str(e.value)
+
+
+def test_a_recipe_runs_on_ray_from_the_cli(ray_cluster, tiny_tokenizer, chats, tmp_path, capsys):
+    import yaml
+
+    from astrai.cli import main
+
+    pipe = pipeline(packing_strategy="bfd")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(pipe.model_dump(exclude_defaults=True)))
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"version": 1, "preprocess": {
+        "pipeline": "p.yaml", "inputs": [str(chats)], "output": "ray", "tokenizer": str(tiny_tokenizer),
+        "executor": "ray", "ray_address": ray_cluster}}))
+    assert main(["run", str(tmp_path / "r.yaml")]) == 0
+    assert "as Ray tasks" in capsys.readouterr().out
+    assert main(["preprocess", str(tmp_path / "p.yaml"), "-i", str(chats), "-o", str(tmp_path / "local"),
+                 "--tokenizer", str(tiny_tokenizer), "--workers", "2"]) == 0
+    assert file_digests(tmp_path / "ray") == file_digests(tmp_path / "local")
