@@ -102,6 +102,7 @@ def main():
     n_parts = len(plan_partitions([input_path], partition_bytes))
     print(f"data: {source}, {args.records} conversations, {size / 2**20:.1f} MiB JSONL, {n_parts} partitions of "
           f"<= {args.partition_mib:g} MiB; cpus: {os.cpu_count()}; tokenizer {TOKENIZER}")
+    print(f"load average before: {os.getloadavg()[0]:.1f} (2 free cores read ~0; other work skews both executors)")
     cluster, t_start = start_cluster()
     print(f"ray: 2 nodes x {NODE_CPUS} CPU started in {t_start:.1f} s (not counted below)")
     failed = []
@@ -127,6 +128,7 @@ def main():
             print(f"  byte-identical (sha256 of data/*.parquet + stats.json): {'PASS' if same else 'FAIL'}")
             if not same:
                 failed.append(f"{packing}: ray output differs from local")
+        print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     finally:
         cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
