@@ -101,8 +101,11 @@ class RayExecutor:
             pending.append(self._task.options(name=name).remote(fn, setup_key, setup_ref, t, self.cwd, name))
         try:
             while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done[0])
+                # everything finished within the poll, not one ref per call: thousands of partitions
+                # would make one-at-a-time waiting quadratic. A failure still stops the run within a poll.
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2, fetch_local=False)
+                for ref in done:
+                    ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             self._cancel(pending)
             cause = e.cause
