@@ -95,6 +95,7 @@ def main():
     partition_bytes = int(args.partition_mib * (1 << 20))
     tmp = Path(tempfile.mkdtemp(prefix="astrai-raybench-", dir="/tmp"))
     os.environ["RAY_TMPDIR"] = str(tmp)  # the cluster's sockets and logs stay private and are removed
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     input_path = tmp / "chats.jsonl"
     size = write_jsonl(input_path, records, source, args.records)
     from astrai.data.read import plan_partitions

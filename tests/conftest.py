@@ -91,8 +91,9 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
 
     tmp = tempfile.mkdtemp(prefix="astrai-ray-", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "ASTRAI_FAULT_DIR")}
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "ASTRAI_FAULT_DIR", "RAY_USAGE_STATS_ENABLED")}
     os.environ["RAY_TMPDIR"] = tmp
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # hermetic: no usage report leaves the test machine
     os.environ["ASTRAI_FAULT_DIR"] = os.path.join(tmp, "faults")
     os.makedirs(os.environ["ASTRAI_FAULT_DIR"])
     cluster = Cluster(initialize_head=True, head_node_args={
