@@ -202,3 +202,18 @@ def test_a_recipe_runs_on_ray_from_the_cli(ray_cluster, tiny_tokenizer, chats, t
     assert main(["preprocess", str(tmp_path / "p.yaml"), "-i", str(chats), "-o", str(tmp_path / "local"),
                  "--tokenizer", str(tiny_tokenizer), "--workers", "2"]) == 0
     assert file_digests(tmp_path / "ray") == file_digests(tmp_path / "local")
+
+
+def test_relative_paths_mean_the_drivers_working_directory(ray_cluster, tiny_tokenizer, chats, tmp_path,
+                                                           monkeypatch):
+    # Ray workers start in the directory their node was started from, not the driver's
+    import shutil
+
+    pipe = pipeline(packing_strategy="bfd")
+    run(pipe, chats, tmp_path / "local", tiny_tokenizer, "local")
+    shutil.copy(chats, tmp_path / chats.name)  # the same name: it is part of the fingerprint
+    monkeypatch.chdir(tmp_path)
+    run(pipe, chats.name, "ray", tiny_tokenizer, "ray", ray_cluster)
+    local, remote = file_digests(tmp_path / "local"), file_digests(tmp_path / "ray")
+    assert local.pop("rejects.jsonl") != remote.pop("rejects.jsonl")  # it names the input as given
+    assert remote == local
