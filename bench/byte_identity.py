@@ -94,9 +94,42 @@ def digests(out: Path, tokenizer_path: str) -> dict[str, str]:
     return res
 
 
+@contextlib.contextmanager
+def _tokenizer_loaded_once():
+    """Every case uses the same tokenizer: load it (and its copy with the ChatML tokens) once per
+    process instead of twice per run, which is most of a run's time on this small input. Loading
+    is deterministic (the fingerprint hashes the files), so the bytes written are the same."""
+    import astrai.data.process as process_mod
+
+    try:
+        import astrai.data.preprocess.run as run_mod
+    except ImportError:  # the layout before issue 8 (one preprocess module): load per run
+        yield
+        return
+
+    saved = run_mod.load_tokenizer, process_mod.with_added_tokens
+    loaded, added = {}, {}
+
+    def load_once(spec, base_dir=None):
+        if (spec, base_dir) not in loaded:
+            loaded[spec, base_dir] = saved[0](spec, base_dir)
+        return loaded[spec, base_dir]
+
+    def add_once(tok, tokens):
+        key = (id(tok), tuple(tokens))  # the tokenizers above live as long as the cache
+        if key not in added:
+            added[key] = saved[1](tok, tokens)
+        return added[key]
+
+    run_mod.load_tokenizer, process_mod.with_added_tokens = load_once, add_once
+    try:
+        yield
+    finally:
+        run_mod.load_tokenizer, process_mod.with_added_tokens = saved
+
+
 def run_all(work: Path, only=None, workers: int = 1) -> dict[str, dict[str, str]]:
     """Run every case with `astrai preprocess` (in-process) inside `work`; return name -> file -> sha256."""
-    from astrai.cli import main
     from astrai.data.tokenizer import load_tokenizer
 
     make_inputs(work)
@@ -105,21 +138,28 @@ def run_all(work: Path, only=None, workers: int = 1) -> dict[str, dict[str, str]
     cwd = os.getcwd()
     os.chdir(work)  # inputs are named relative to here, as in the manifest
     try:
-        for name, (pipeline, inp, sets) in cases().items():
-            if only and name not in only:
-                continue
-            args = ["preprocess", str(ROOT / "pipelines" / pipeline), "-i", inp, "-o", f"out-{name}",
-                    "--workers", str(workers)]
-            for s in sets:
-                args += ["--set", s]
-            with contextlib.redirect_stdout(io.StringIO()):
-                rc = main(args)
-            if rc != 0:
-                raise RuntimeError(f"{name}: astrai {' '.join(args)} exited {rc}")
-            result[name] = digests(work / f"out-{name}", tok_path)
+        with _tokenizer_loaded_once():
+            _run_cases(only, workers, work, tok_path, result)
     finally:
         os.chdir(cwd)
     return result
+
+
+def _run_cases(only, workers: int, work: Path, tok_path: str, result: dict):
+    from astrai.cli import main
+
+    for name, (pipeline, inp, sets) in cases().items():
+        if only and name not in only:
+            continue
+        args = ["preprocess", str(ROOT / "pipelines" / pipeline), "-i", inp, "-o", f"out-{name}",
+                "--workers", str(workers)]
+        for s in sets:
+            args += ["--set", s]
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = main(args)
+        if rc != 0:
+            raise RuntimeError(f"{name}: astrai {' '.join(args)} exited {rc}")
+        result[name] = digests(work / f"out-{name}", tok_path)
 
 
 def compare(expected: dict, got: dict) -> list[str]:

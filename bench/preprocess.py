@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import chats  # noqa: E402
 
 from astrai.config import Pipeline  # noqa: E402
-from astrai.data.process import Doc, Processor  # noqa: E402
+from astrai.data.process import Processor, RecordOutput  # noqa: E402
 from astrai.data.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -43,9 +43,9 @@ def main():
         kept = tokens = 0
         for b in batches:
             for r in pr.process_batch(b):
-                if isinstance(r, Doc):
+                if isinstance(r, RecordOutput):
                     kept += 1
-                    tokens += len(r.seqs[""])
+                    tokens += len(r.seq())
         return kept, tokens
 
     def floor():

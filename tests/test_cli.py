@@ -103,8 +103,8 @@ def test_run_drives_the_stages_of_the_registry(tmp_path, monkeypatch, capsys):
 
     calls = []
     fake = types.ModuleType("fake_stage_module")
-    fake.run_pre = lambda options, ctx: calls.append(("preprocess", options.output, ctx.recipe_dir))
-    fake.run_echo = lambda options, ctx: calls.append(("echo", options, ctx.recipe_dir))
+    fake.run_pre = lambda options, ctx: calls.append(("preprocess", options.output, ctx.recipe_dir)) or "shards/"
+    fake.run_echo = lambda options, ctx: calls.append(("echo", options, ctx.recipe_dir, dict(ctx.outputs)))
     monkeypatch.setitem(sys.modules, "fake_stage_module", fake)
     monkeypatch.setitem(STAGES, "preprocess", dataclasses.replace(STAGES["preprocess"], run="fake_stage_module:run_pre"))
     monkeypatch.setitem(STAGES, "echo", Stage("echo", "say something", EchoOptions, "fake_stage_module:run_echo"))
@@ -116,6 +116,7 @@ def test_run_drives_the_stages_of_the_registry(tmp_path, monkeypatch, capsys):
     assert main(["run", str(r)]) == 0
     assert [c[0] for c in calls] == ["preprocess", "echo"]  # registry order, not file order
     assert isinstance(calls[1][1], EchoOptions) and calls[1][1].times == 2 and calls[1][2] == tmp_path
+    assert calls[1][3] == {"preprocess": "shards/"}  # what earlier stages wrote
     assert "[echo] done" in capsys.readouterr().out
 
     r.write_text("version: 1\necho: {mesage: hi}\npreprocess: {pipeline: p.yaml, inputs: [a], output: o}\n")

@@ -32,6 +32,8 @@ def run(args) -> int:
             continue
         t0 = time.time()
         print(f"[{stage.name}] {stage.help}")
-        stage.run_function()(options, ctx)
+        result = stage.run_function()(options, ctx)
+        if result is not None:
+            ctx.outputs[stage.name] = str(result)
         print(f"[{stage.name}] done in {time.time() - t0:.1f}s")
     return 0

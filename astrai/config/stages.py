@@ -11,8 +11,10 @@ Adding a stage (train, eval, generate are next):
    meaning; combination checks as a `combination_problems(data)` classmethod beside it, see
    astrai.config.loading). Options models live here, in the config layer, so loading a recipe
    never imports torch or the stage's code.
-2. Write the stage as one module with `run(options, ctx: StageContext) -> None`, e.g.
-   astrai/train/stage.py, and a CLI verb module astrai/cli/train.py (`add_arguments`, `run`).
+2. Write the stage as one module with `run(options, ctx: StageContext) -> Optional[str]`, e.g.
+   astrai/train/stage.py (returning what it wrote, e.g. a checkpoint directory; a later stage of
+   the same recipe finds it in `ctx.outputs["train"]`, as train finds the shards in
+   `ctx.outputs["preprocess"]`), and a CLI verb module astrai/cli/train.py (`add_arguments`, `run`).
 3. Replace its `Stage(...)` entry in STAGES with the options model and the two dotted paths.
 Stages that have not landed yet have no options model: a recipe declaring one is rejected with a
 clear problem, and their verb exits 2 saying so.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
@@ -63,11 +65,12 @@ class PreprocessOptions(StrictModel):
 @dataclass(frozen=True)
 class StageContext:
     """What every stage run gets besides its options: where the recipe is, the `pipeline.KEY=...`
-    overrides of the command line, and where to log."""
+    overrides of the command line, where to log, and what the earlier stages of the run wrote."""
 
     recipe_dir: Path
     pipeline_overrides: tuple[str, ...] = ()
     log: Callable[[str], None] = print
+    outputs: dict[str, str] = field(default_factory=dict)  # stage name -> what its run returned
 
     def path(self, rel: str) -> str:
         """A path written in the recipe, relative to the recipe file (package:NAME and absolute kept)."""

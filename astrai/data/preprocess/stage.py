@@ -10,10 +10,13 @@ from astrai.config.stages import PreprocessOptions, StageContext
 from astrai.data.preprocess.run import run_preprocess
 
 
-def run(options: PreprocessOptions, ctx: StageContext) -> None:
+def run(options: PreprocessOptions, ctx: StageContext) -> str:
+    """Preprocess as the recipe says; return the output directory (for the stages after it)."""
     pipe_path = Path(ctx.recipe_dir) / options.pipeline
     pipeline = load_pipeline(pipe_path, ctx.pipeline_overrides)
-    run_preprocess(pipeline, [ctx.path(i) for i in options.inputs], ctx.path(options.output),
+    out = ctx.path(options.output)
+    run_preprocess(pipeline, [ctx.path(i) for i in options.inputs], out,
                    tokenizer=ctx.tokenizer(options.tokenizer) if options.tokenizer else None, workers=options.workers,
                    base_dir=str(pipe_path.parent), log=ctx.log, executor=options.executor,
                    ray_address=options.ray_address)
+    return out
