@@ -7,7 +7,7 @@ to the cluster: the driver plans partitions, plans the global bins from the leng
 stats and the manifest. See docs/ray.md.
 
 Guarantees:
-- Ray is imported only here, lazily; without it, asking for this executor raises an InputError
+- Ray is imported only here, lazily; without it, asking for this executor raises a ClusterError
   that names the extra to install (`astrai[ray]`).
 - Every node must see the paths the tasks touch (a shared filesystem mounted at the same path):
   `check_nodes` runs one tiny task pinned to each alive node before any work, and reports the
@@ -31,17 +31,21 @@ import secrets
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from astrai.data.errors import InputError
-
 MAX_RETRIES = 3
 EXTRA = "astrai[ray]"
+
+
+class ClusterError(Exception):
+    """Ray is missing, or a node cannot see what the tasks need: stops the run before any work
+    (the CLI prints it as `error: ...`, like an InputError). NOTE: like astrai.runtime, this module
+    imports nothing from astrai, so every layer may use it."""
 
 
 def import_ray():
     try:
         import ray
     except ImportError:
-        raise InputError(f"--executor ray needs Ray, which is not installed: pip install '{EXTRA}' "
+        raise ClusterError(f"--executor ray needs Ray, which is not installed: pip install '{EXTRA}' "
                          f"(or use the default --executor local)") from None
     return ray
 
@@ -150,7 +154,7 @@ class RayExecutor:
                     .remote(needed, str(out), probe.name, token, self.cwd) for n in nodes]
             for n, problem in zip(nodes, ray.get(refs)):
                 if problem:
-                    raise InputError(f"ray node {n['NodeManagerAddress']} ({n['NodeID'][:12]}) {problem}: inputs, "
+                    raise ClusterError(f"ray node {n['NodeManagerAddress']} ({n['NodeID'][:12]}) {problem}: inputs, "
                                      f"tokenizer and output must be on storage every node mounts at the same path "
                                      f"(docs/ray.md)")
         finally:

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from astrai.data.errors import InputError
-from astrai.runtime_ray import _node_problem, import_ray
+from astrai.runtime_ray import ClusterError, _node_problem, import_ray
 
 
 def test_without_ray_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` does when it is not installed
-    with pytest.raises(InputError, match=r"pip install 'astrai\[ray\]'"):
+    with pytest.raises(ClusterError, match=r"pip install 'astrai\[ray\]'"):
         import_ray()
 
 
@@ -125,7 +124,7 @@ def test_check_nodes_passes_on_shared_paths_and_leaves_nothing(executor, tmp_pat
     out.mkdir()
     executor.check_nodes([("input", str(data))], out)
     assert list(out.iterdir()) == []
-    with pytest.raises(InputError, match=r"ray node \S+ \(\w+\) cannot see input /no/such\.jsonl"):
+    with pytest.raises(ClusterError, match=r"ray node \S+ \(\w+\) cannot see input /no/such\.jsonl"):
         executor.check_nodes([("input", "/no/such.jsonl")], out)
 
 
@@ -157,7 +156,7 @@ def test_a_node_that_cannot_see_the_input_is_named(executor, tmp_path):
             assert node.poll() is None and time.time() < deadline, "the third node did not start"
             time.sleep(0.2)
         new = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) == 0]
-        with pytest.raises(InputError) as e:
+        with pytest.raises(ClusterError) as e:
             executor.check_nodes([("input", str(hidden / "d.jsonl"))], tmp_path)
         assert f"({new[0][:12]}) cannot see input {hidden / 'd.jsonl'} (no such file or directory)" in str(e.value)
     finally:
