@@ -26,6 +26,10 @@ class PartitionTask:
     part: Partition
     limit: Optional[int] = None  # read at most this many records (what is left of max_items)
 
+    @property
+    def name(self) -> str:
+        return self.part.name  # pPPPPP
+
 
 def tokenize_partition(worker: Worker, task: PartitionTask):
     job, proc, part, limit = worker.job, worker.processor, task.part, task.limit
