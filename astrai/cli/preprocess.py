@@ -45,7 +45,7 @@ def run(args) -> int:
     from astrai.data.preprocess import run_preprocess
 
     cfg = load_any(args.pipeline, tuple(args.overrides))
-    if cfg.recipe is not None:
+    if cfg.is_recipe:
         print(f"error: {args.pipeline} is a recipe, not a pipeline (use astrai run)", file=sys.stderr)
         return 1
     if args.ray_address is not None and args.executor != "ray":

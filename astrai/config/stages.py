@@ -92,10 +92,18 @@ class Stage:
     run: Optional[str] = None  # "module:function", called as function(options, ctx)
     verb: Optional[str] = None  # the CLI module of the verb (add_arguments, run)
     required: bool = False  # every recipe must declare it
+    # "module:name" of the stage's recipe facts (astrai.recipe.kinds.StageKind: what it produces and
+    # reads, its checks): how `astrai run` chains it with other stages under `stages:`
+    recipe_kind: Optional[str] = None
 
     @property
     def landed(self) -> bool:
-        return self.options is not None
+        return self.options is not None or self.recipe_only
+
+    @property
+    def recipe_only(self) -> bool:
+        """A stage that exists only inside `stages:` recipes (no top-level block, no verb)."""
+        return self.recipe_kind is not None and self.run is None
 
     def run_function(self) -> Callable:
         module, _, func = self.run.partition(":")
@@ -103,10 +111,13 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    # the only stage today, so every recipe has it; once a recipe can start from data made
-    # elsewhere (train on an existing output), it stops being required
+    # Recipes written with `stages:` (astrai.recipe) name their stages and chain them, each kind's
+    # facts in its recipe_kind; the older form, one top-level block per stage, still runs here.
+    Stage("tokenizer", "byte-level BPE trained on the recipe's own records", None, None, None,
+          recipe_kind="astrai.recipe.builtin:TOKENIZER"),
     Stage("preprocess", "records -> Parquet shards with exact labels", PreprocessOptions,
-          "astrai.data.preprocess.stage:run", "astrai.cli.preprocess", required=True),
+          "astrai.data.preprocess.stage:run", "astrai.cli.preprocess", required=True,
+          recipe_kind="astrai.recipe.builtin:PREPROCESS"),
     Stage("train", "training (pretrain/SFT/DPO/GRPO)"),
     Stage("eval", "perplexity on held-out preprocessed data + sample generations -> eval.json", EvalOptions,
           "astrai.infer.eval:run_stage", "astrai.cli.eval"),
