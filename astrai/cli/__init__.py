@@ -67,8 +67,9 @@ def main(argv=None) -> int:
         return 1
     except Exception as e:
         from astrai.data.errors import InputError, RecordError
+        from astrai.runtime_ray import ClusterError
 
-        if isinstance(e, (InputError, RecordError)):
+        if isinstance(e, (InputError, RecordError, ClusterError)):
             print(f"error: {e}", file=sys.stderr)
             return 1
         raise

@@ -21,7 +21,7 @@ from astrai.config.loading import (
     ConfigError, Problem, StrictModel, find_mark, get_in, load_yaml, override, raise_combination_problems,
     validate_data,
 )
-from astrai.config.pipeline import Pipeline, load_pipeline
+from astrai.config.pipeline import Pipeline, load_pipeline, tokenizer_problems
 from astrai.config.stages import STAGES, StageContext
 
 
@@ -59,8 +59,15 @@ Recipe = recipe_model(STAGES)
 
 
 def recipe_combination_problems(data: Any) -> list[tuple[tuple, str]]:
-    return [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from the recipe")
-            for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
+    out = [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from the recipe")
+           for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
+    # the stages' own combination checks, with their key paths under the stage's block
+    for s in STAGES.values():
+        check = getattr(s.options, "combination_problems", None)
+        block = get_in(data, s.name)
+        if check is not None and isinstance(block, dict):
+            out.extend(((s.name, *loc), msg) for loc, msg in check(block))
+    return out + tokenizer_problems(data, ("preprocess", "tokenizer"))
 
 
 def load_recipe(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Recipe:
