@@ -58,8 +58,14 @@ Recipe = recipe_model(STAGES)
 
 
 def recipe_combination_problems(data: Any) -> list[tuple[tuple, str]]:
-    return [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from the recipe")
-            for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
+    problems = [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from "
+                            f"the recipe") for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
+    for s in STAGES.values():  # each stage block's own combination checks, with their key paths in the recipe
+        check = getattr(s.options, "combination_problems", None) if s.landed else None
+        block = get_in(data, s.name)
+        if check is not None and isinstance(block, dict):
+            problems += [((s.name, *loc), msg) for loc, msg in check(block)]
+    return problems
 
 
 def load_recipe(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Recipe:

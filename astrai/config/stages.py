@@ -34,6 +34,7 @@ from typing import Callable, Optional
 from pydantic import Field
 
 from astrai.config.loading import StrictModel
+from astrai.config.train import TrainOptions
 
 
 class PreprocessOptions(StrictModel):
@@ -90,7 +91,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     # elsewhere (train on an existing output), it stops being required
     Stage("preprocess", "records -> Parquet shards with exact labels", PreprocessOptions,
           "astrai.data.preprocess.stage:run", "astrai.cli.preprocess", required=True),
-    Stage("train", "training (pretrain/SFT/DPO/GRPO)"),
+    Stage("train", "training (pretrain/SFT/DPO/GRPO)", TrainOptions, "astrai.train.stage:run", "astrai.cli.train"),
     Stage("eval", "evaluation"),
     Stage("generate", "generation"),
 )}
