@@ -52,12 +52,6 @@ def test_missing_pipeline_or_file_is_reported_not_a_traceback(tmp_path, capsys):
     assert "missing.yaml" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("verb", ["eval", "generate"])  # train has landed
-def test_not_landed_verbs_exit_2(verb, capsys):
-    assert main([verb]) == 2
-    assert "not landed" in capsys.readouterr().err
-
-
 def test_help_lists_options_with_defaults():
     out = subprocess.run([sys.executable, "-m", "astrai.cli", "preprocess", "--help"], capture_output=True, text=True,
                          cwd=ROOT).stdout

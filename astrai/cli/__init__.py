@@ -28,7 +28,7 @@ _TOOL_VERBS = (("validate", "astrai.cli.validate"), ("inspect", "astrai.cli.insp
 def verbs() -> list[tuple[str, str]]:
     # a landed stage without a verb module runs only inside recipes
     stage_verbs = [(s.name, s.verb if s.landed else "astrai.cli.stub") for s in STAGES.values()
-                   if s.verb or not s.landed]
+                   if s.verb or not s.landed]  # a recipe-only stage (tokenizer) counts as landed, has no verb
     return [("run", "astrai.cli.run"), *stage_verbs, *_TOOL_VERBS]
 
 
@@ -67,8 +67,9 @@ def main(argv=None) -> int:
         return 1
     except Exception as e:
         from astrai.data.errors import InputError, RecordError
+        from astrai.runtime_ray import ClusterError
 
-        if isinstance(e, (InputError, RecordError)):
+        if isinstance(e, (InputError, RecordError, ClusterError)):
             print(f"error: {e}", file=sys.stderr)
             return 1
         raise

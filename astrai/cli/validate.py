@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from astrai.config import ConfigError, load_any
+from astrai.config import ConfigError, is_staged, load_any, load_yaml
 
 
 def help_for(verb: str) -> str:
@@ -15,7 +15,12 @@ def add_arguments(p):
 
 def run(args) -> int:
     try:
-        load_any(args.file, tuple(args.overrides))
+        if is_staged(load_yaml(args.file)[0]):  # chained stages: every stage, reference and input checked
+            from astrai.recipe.command import load_recipe_spec
+
+            load_recipe_spec(args.file, tuple(args.overrides))
+        else:
+            load_any(args.file, tuple(args.overrides))
     except ConfigError as e:
         for p in e.problems:
             print(f"{e.file}:{p}")

@@ -82,8 +82,9 @@ def test_grpo_and_seq_run(datasets, tmp_path):
 
 
 def test_invalid_combinations_are_refused(datasets, tmp_path):
-    with pytest.raises(TrainConfigError, match="sft needs labels"):
-        run_train(_opts(datasets["text"], tmp_path / "a", strategy="sft"))
+    # (plain-text output now carries a labels column with every token trained, so sft accepts it)
+    with pytest.raises(TrainConfigError, match="seq needs single-output rows"):
+        run_train(_opts(datasets["dpo"], tmp_path / "a", strategy="seq"))
     with pytest.raises(TrainConfigError, match="dpo needs the dpo output"):
         run_train(_opts(datasets["sft"], tmp_path / "b", strategy="dpo"))
     cfg = tmp_path / "small-vocab.json"

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,14 +36,31 @@ FORMAT_VERSION = 1
 
 def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str] = None,
                    workers: Optional[int] = None, base_dir: Optional[str] = None,
-                   log: Callable[[str], None] = print) -> dict:
+                   log: Callable[[str], None] = print, executor: str = "local",
+                   ray_address: Optional[str] = None) -> dict:
+    """executor "local": a process pool of `workers`; "ray": the same tasks on the Ray cluster at
+    `ray_address` (astrai.runtime_ray), byte-identical output. Options: astrai.config.stages.PreprocessOptions."""
+    if executor == "ray":
+        from astrai.runtime_ray import import_ray
+
+        import_ray()  # without the extra, say so before any work
+    elif executor != "local":
+        raise InputError(f"executor '{executor}': use local or ray")
     base_dir = str(base_dir or os.getcwd())
     tok_spec = tokenizer or pipeline.tokenizer
     if not tok_spec:
         raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
     tok = load_tokenizer(tok_spec, base_dir)
     template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
-    files = expand_inputs(inputs)  # relative to the working directory; recipes join their own base
+    warnings: list[str] = []  # skipped or empty inputs, ignored settings: said, not ignored
+    pp = pipeline.preprocessing
+    if pp.max_packed_len is not None and pp.packing_strategy == "none":
+        # a warning, not an error: `--set preprocessing.packing_strategy=none` on a packing pipeline is common
+        warnings.append(f"preprocessing.max_packed_len ({pp.max_packed_len}) is ignored with packing_strategy: none "
+                        f"(one document per row); set a packing_strategy to pack")
+    files = expand_inputs(inputs, warnings=warnings)  # relative to the working directory (recipes join their base)
+    for w in warnings:
+        log(f"warning: {w}")
     digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
     parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
     fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests)
@@ -56,20 +74,21 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     job = Job(pipeline, str(tok.path), base_dir, str(outp))
     workers = max(1, workers or os.cpu_count() or 1)
     # built once here (no encoding yet) from the tokenizer and template already loaded; forked
-    # workers inherit it, spawned ones build their own from the job
+    # workers inherit it, spawned ones (and Ray workers) build their own from the job
     worker = Worker(job, Processor(pipeline, tok, base_dir, template))
-
-    todo = [p for p in parts if not is_done(job.marker(p.name))]
-    if len(todo) < len(parts):
-        log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done")
-    if pipeline.preprocessing.max_items is not None:
-        _tokenize_in_order(worker, parts)
-    else:
-        run_tasks(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
-                  setup=partial(Worker.build, job), context=worker, what="partitions", log=log)
-
-    summaries = [read_marker(job.marker(p.name)) for p in parts]
-    packing = pack_globally(job, parts, workers, worker, log) if job.global_pack else None
+    with _task_runner(executor, ray_address, log) as (run, cluster):
+        if cluster is not None:
+            cluster.check_nodes(_needed_paths(files, job, template), outp)
+        todo = [p for p in parts if not is_done(job.marker(p.name))]
+        if len(todo) < len(parts):
+            log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done")
+        if pipeline.preprocessing.max_items is not None:
+            _tokenize_in_order(worker, parts, run)
+        else:
+            run(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
+                setup=partial(Worker.build, job), context=worker, what="partitions", log=log)
+        summaries = [read_marker(job.marker(p.name)) for p in parts]
+        packing = pack_globally(job, parts, workers, worker, log, run) if job.global_pack else None
     stats = dataset_stats(pipeline, summaries, packing)
     shards = sorted(str(p.relative_to(outp)) for p in (outp / "data").glob("*.parquet"))
     _merge_rejects(outp, parts)
@@ -142,14 +161,37 @@ def prepare_output_dir(outp: Path, fp: str):
         atomic_write_text(work / "fingerprint", fp)
 
 
-def _tokenize_in_order(worker: Worker, parts: list[Partition]):
+@contextmanager
+def _task_runner(executor: str, ray_address: Optional[str], log: Callable[[str], None]):
+    """(run_tasks, cluster): the local pool's astrai.runtime.run_tasks, or a Ray executor's method of
+    the same signature (and the executor, for its node check), connected for the run's duration."""
+    if executor == "local":
+        yield run_tasks, None
+        return
+    from astrai.runtime_ray import RayExecutor
+
+    with RayExecutor(ray_address, log) as cluster:
+        yield cluster.run_tasks, cluster
+
+
+def _needed_paths(files: list[Path], job: Job, template) -> list[tuple[str, str]]:
+    """What every Ray node must see besides the output: inputs, the tokenizer, a template file."""
+    needed = [("input", str(f)) for f in files] + [("tokenizer", job.tokenizer)]
+    if template is not None and Path(template.name).is_file():
+        needed.append(("chat template", template.name))
+    return needed
+
+
+def _tokenize_in_order(worker: Worker, parts: list[Partition], run=run_tasks):
     """max_items counts records in input order, so a partition's limit needs the counts of the
-    earlier ones: partitions run one after another, here."""
-    budget = worker.job.pipeline.preprocessing.max_items
+    earlier ones: partitions run one after another (here, or one Ray task at a time)."""
+    job = worker.job
+    budget = job.pipeline.preprocessing.max_items
     for p in parts:
-        marker = worker.job.marker(p.name)
+        marker = job.marker(p.name)
         if not is_done(marker):
-            tokenize_partition(worker, PartitionTask(p, limit=budget))
+            run(tokenize_partition, [PartitionTask(p, limit=budget)], workers=1, setup=partial(Worker.build, job),
+                context=worker, what="partitions", log=lambda s: None)
         # a partition that read nothing (budget already spent, or only blank lines) has no "read" count
         budget = max(budget - read_marker(marker).get("read", 0), 0)
 
