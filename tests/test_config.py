@@ -151,13 +151,16 @@ def test_yaml_cannot_construct_python_objects(tmp_path):
     assert "invalid YAML" in prob.message
 
 
-def test_recipe_rejects_stages_not_landed(tmp_path):
+def test_recipe_train_block_is_validated(tmp_path):
     write(tmp_path, "version: 1\ninput: {sections: [{field: text}]}\n", "pipe.yaml")
     r = write(tmp_path, "version: 1\npreprocess: {pipeline: pipe.yaml, inputs: [x.jsonl], output: out}\n"
-                        "train: {lr: 1.0e-4}\n", "r.yaml")
+                        "train: {lr: 1.0e-4, lerning_rate: 2, eval_every: 5}\n", "r.yaml")
     with pytest.raises(ConfigError) as e:
         load_recipe(r)
-    assert e.value.problems[0].path == "train" and "under `stages:`" in e.value.problems[0].message
+    got = {(p.path, p.message.split(" (")[0].split(";")[0]) for p in e.value.problems}
+    assert ("train.output", "Field required") in got
+    assert ("train.lerning_rate", "unknown key 'lerning_rate'") in got
+    assert any(path == "train.eval_every" and "val_data" in msg for path, msg in got)
 
 
 def test_python_api_reads_the_same_models():

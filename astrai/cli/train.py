@@ -1,22 +1,60 @@
-"""`astrai train CONFIG.yaml [--set key=value]`: the verb of the train stage (astrai.train.cli)."""
+"""`astrai train CONFIG.yaml [--set key=value ...]`: the train stage on its own.
+
+CONFIG is a TrainOptions mapping (astrai.config.train; the same keys as a recipe's `train:` block),
+validated as every astrai YAML is: unknown keys with "did you mean", every problem at once with
+its line. Paths in it are relative to the file.
+
+Exit status: 0 done; 1 invalid config or data; 128 + signal when SIGTERM/SIGINT stopped training
+after writing a checkpoint.
+"""
 
 from __future__ import annotations
 
-from astrai.config.stages import STAGES
+import json
+import signal
+import sys
+from pathlib import Path
+
+from astrai.config import ConfigError, Problem, apply_overrides, load_yaml, model_help, validate_data
+from astrai.config.train import TrainOptions
+
+_PATH_KEYS = ("data", "val_data", "output", "ref_model", "model")
+
+
+def load_train_config(path, overrides=()) -> TrainOptions:
+    data, marks = load_yaml(path)
+    data = apply_overrides(data, list(overrides)) if overrides else data
+    opts = validate_data(data, TrainOptions, str(path), marks)
+    base = Path(path).resolve().parent
+    fixed = {}
+    for key in _PATH_KEYS:
+        value = getattr(opts, key)
+        if value is None or (key == "model" and "/" not in value and not value.endswith(".json")) \
+                or Path(value).is_absolute():  # a bare model name is a size preset
+            continue
+        fixed[key] = str(base / value)
+    return opts.model_copy(update=fixed)
 
 
 def help_for(verb: str) -> str:
-    return STAGES[verb].help
+    return "train on preprocessed data (pretrain/SFT/DPO/GRPO)"
 
 
 def add_arguments(p):
-    p.add_argument("config", help="train YAML (TrainOptions keys; paths relative to the file)")
+    p.epilog = "train keys (in CONFIG or --set KEY=VALUE):\n" + "\n".join(model_help(TrainOptions))
+    p.add_argument("config", help="train YAML (the keys below; paths relative to it)")
 
 
 def run(args) -> int:
-    from astrai.train.cli import main
+    from astrai.train.run import TrainConfigError, run_train
 
-    argv = [args.config]
-    for expr in args.overrides:
-        argv += ["--set", expr]
-    return main(argv)
+    opts = load_train_config(args.config, args.overrides)  # a ConfigError is reported by astrai.cli.main
+    if opts.data is None:
+        raise ConfigError(args.config, [Problem("data", "data is required (a preprocessed directory)")])
+    try:
+        result = run_train(opts)
+    except TrainConfigError as e:
+        print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    return 128 + signal.Signals[result["stopped"]].value if result["stopped"] else 0

@@ -35,6 +35,7 @@ from pydantic import Field, model_validator
 
 from astrai.config.infer import EvalOptions, GenerateOptions
 from astrai.config.loading import StrictModel, get_in, raise_combination_problems
+from astrai.config.train import TrainOptions
 
 
 class PreprocessOptions(StrictModel):
@@ -118,8 +119,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("preprocess", "records -> Parquet shards with exact labels", PreprocessOptions,
           "astrai.data.preprocess.stage:run", "astrai.cli.preprocess", required=True,
           recipe_kind="astrai.recipe.builtin:PREPROCESS"),
-    # train runs in `stages:` recipes and as its verb; not as an older top-level block
-    Stage("train", "training (pretrain/SFT/DPO/GRPO)", None, None, "astrai.cli.train",
+    Stage("train", "training (pretrain/SFT/DPO/GRPO)", TrainOptions, "astrai.train.stage:run", "astrai.cli.train",
           recipe_kind="astrai.recipe.builtin:train_kind"),
     Stage("eval", "perplexity on held-out preprocessed data + sample generations -> eval.json", EvalOptions,
           "astrai.infer.eval:run_stage", "astrai.cli.eval", recipe_kind="astrai.recipe.builtin:eval_kind"),

@@ -47,6 +47,8 @@ def build_model(spec: str, data: TrainData, seed: int) -> CausalLM:
 
 
 def run_train(options: TrainOptions, callbacks=()) -> dict:
+    if options.data is None:
+        raise TrainConfigError("data is required: the preprocessed directory to train on")
     data = TrainData(options.data)
     model = build_model(options.model, data, options.seed)
     problems = compat_problems(options.strategy, data, model.config.vocab_size)

@@ -82,8 +82,9 @@ def test_grpo_and_seq_run(datasets, tmp_path):
 
 
 def test_invalid_combinations_are_refused(datasets, tmp_path):
-    with pytest.raises(TrainConfigError, match="sft needs labels"):
-        run_train(_opts(datasets["text"], tmp_path / "a", strategy="sft"))
+    # (plain-text output now carries a labels column with every token trained, so sft accepts it)
+    with pytest.raises(TrainConfigError, match="seq needs single-output rows"):
+        run_train(_opts(datasets["dpo"], tmp_path / "a", strategy="seq"))
     with pytest.raises(TrainConfigError, match="dpo needs the dpo output"):
         run_train(_opts(datasets["sft"], tmp_path / "b", strategy="dpo"))
     cfg = tmp_path / "small-vocab.json"
@@ -98,16 +99,32 @@ def test_invalid_combinations_are_refused(datasets, tmp_path):
 
 def test_yaml_config_paths_and_located_errors(datasets, tmp_path):
     from astrai.config import ConfigError
-    from astrai.train.cli import load_train_config, main
+    from astrai.cli import main
+    from astrai.cli.train import load_train_config
 
     cfg = tmp_path / "train.yaml"
     cfg.write_text(f"data: {datasets['sft']}\noutput: run\nmodel: tiny\nbatch_size: 1\nmax_steps: 1\n"
                    f"epochs: 5\nprogress: false\n")
     opts = load_train_config(cfg, ["lr=0.001"])
     assert opts.output == str(tmp_path / "run") and opts.lr == 0.001 and opts.model == "tiny"
-    assert main([str(cfg)]) == 0 and (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert main(["train", str(cfg)]) == 0 and (tmp_path / "run" / "final" / "model.safetensors").exists()
     cfg.write_text("data: d\noutput: o\nlerning_rate: 1\nbatch_size: zero\n")
     with pytest.raises(ConfigError) as e:
         load_train_config(cfg)
     text = str(e.value)
     assert "3:1: lerning_rate: unknown key" in text and "4:" in text and "batch_size" in text
+
+
+def test_recipe_runs_preprocess_then_train(tmp_path, tiny_tokenizer):
+    from astrai.cli import main
+
+    records = [{"messages": [{"role": "user", "content": f"how are you {i}"},
+                             {"role": "assistant", "content": "fine thanks " * (1 + i % 3)}]} for i in range(12)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "r.yaml").write_text(
+        f"version: 1\npreprocess: {{pipeline: {ROOT / 'pipelines' / 'chatml_sft.yaml'}, inputs: [chat.jsonl], "
+        f"output: data, tokenizer: {tiny_tokenizer}}}\n"
+        "train: {output: run, model: tiny, batch_size: 1, epochs: 4, max_steps: 2, progress: false}\n")
+    assert main(["run", str(tmp_path / "r.yaml")]) == 0
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2

@@ -1,5 +1,0 @@
-import sys
-
-from astrai.train.cli import main
-
-sys.exit(main())
