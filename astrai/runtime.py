@@ -136,3 +136,72 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
         pool.shutdown(wait=True, cancel_futures=True)
     log(f"{len(tasks)} {what} done with {workers} workers")
 
+
+
+# ---------------------------------------------------------------------------------------------
+# output directories: ownership marker and one writer at a time
+
+OUTPUT_MARKER = ".astrai-output"  # written by astrai into every output directory it owns
+
+
+def is_ours(folder: Path) -> bool:
+    """True when `folder` carries the marker astrai writes: never because of a file named like ours
+    (a user's stats.json or .work/ proves nothing)."""
+    try:
+        info = json.loads((Path(folder) / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("written_by") == "astrai"
+
+
+def marker_info(folder: Path) -> dict:
+    return json.loads((Path(folder) / OUTPUT_MARKER).read_text()) if is_ours(folder) else {}
+
+
+def claim_output(folder: Path, info: dict):
+    """Write (or update) the ownership marker; call it only on an empty folder or one `is_ours`."""
+    atomic_write_text(Path(folder) / OUTPUT_MARKER, json.dumps({"written_by": "astrai", **info}, sort_keys=True))
+
+
+def inside_output(path: Path) -> bool:
+    """True when `path` lies inside (or is) a directory astrai owns: inputs are never read from one."""
+    path = Path(path).absolute()
+    return any((p / OUTPUT_MARKER).is_file() for p in (path, *path.parents))
+
+
+class OutputBusy(RuntimeError):
+    pass
+
+
+class output_lock:
+    """Exclusive lock on an output directory for a whole run (created if missing).
+
+    flock on the directory itself: nothing is written into a directory before it is known to be
+    ours, the lock goes with the process on any exit (a crash leaves no stale lock to clean), and a
+    second run into the same directory (another process, or this one) is refused at once."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.fd: int | None = None
+
+    def __enter__(self):
+        import fcntl
+
+        if self.folder.exists() and not self.folder.is_dir():
+            raise NotADirectoryError(f"output {self.folder} is a file, not a directory: give a directory with -o")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd = None
+            raise OutputBusy(f"output {self.folder} is being written by another astrai run; wait for it to finish "
+                             f"or choose another output directory") from None
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+        return False

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from astrai.data.errors import InputError, RecordError
+from astrai.runtime import inside_output
 
 SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 
@@ -47,9 +48,12 @@ class Partition:
         return f"p{self.index:05d}"
 
 
-def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = None) -> list[Path]:
+def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = None,
+                  exclude: Optional[Path] = None) -> list[Path]:
     """Files for the given paths/globs, sorted within each pattern; HF dataset dirs stay whole, also
-    inside a directory that is walked (their state.json/dataset_info.json are not records)."""
+    inside a directory that is walked (their state.json/dataset_info.json are not records).
+    Outputs are never inputs: nothing under `exclude` (the run's own output directory) is read, and
+    a glob or walked directory skips every directory that carries astrai's output marker."""
     out: list[Path] = []
     for pat in patterns:
         p = Path(pat).expanduser()
@@ -58,9 +62,13 @@ def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = No
         matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True)) if glob.has_magic(str(p)) else [p]
         if not matches or not matches[0].exists():
             raise InputError(f"input '{pat}': no such file or directory ({p})")
+        matches = [m for m in matches if not _is_output(m, exclude)]
+        if not matches:
+            raise InputError(f"input '{pat}': only matches astrai's own output ({exclude}); outputs are never read "
+                             f"as input")
         for m in matches:
             if m.is_dir() and not _is_hf_dir(m):
-                found = _dir_inputs(pat, m)
+                found = [f for f in _dir_inputs(pat, m) if not _is_output(f, exclude)]
                 if not found:
                     raise InputError(f"input '{pat}': directory {m} holds no .jsonl/.json/.parquet files "
                                      f"and is not a saved Hugging Face dataset")
@@ -68,6 +76,16 @@ def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = No
             else:
                 out.append(m)
     return out
+
+
+def _is_output(path: Path, exclude: Optional[Path]) -> bool:
+    """`path` lies in the run's own output, or in any directory astrai owns (its marker)."""
+    a = path.absolute()
+    if exclude is not None:
+        ex = Path(exclude).absolute()
+        if a == ex or ex in a.parents:
+            return True
+    return inside_output(a)
 
 
 def _dir_inputs(pat: str, d: Path) -> list[Path]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from functools import partial
 from pathlib import Path
@@ -28,7 +29,8 @@ from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_pa
 from astrai.data.stats import dataset_stats
 from astrai.data.template import resolve_template
 from astrai.data.tokenizer import load_tokenizer
-from astrai.runtime import atomic_write_text, is_done, read_marker, remove_stale_tmp, run_tasks
+from astrai.runtime import (OUTPUT_MARKER, OutputBusy, atomic_write_text, claim_output, is_done, is_ours, marker_info, output_lock,
+                            read_marker, remove_stale_tmp, run_tasks)
 
 FORMAT_VERSION = 1
 
@@ -36,23 +38,41 @@ FORMAT_VERSION = 1
 def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str] = None,
                    workers: Optional[int] = None, base_dir: Optional[str] = None,
                    log: Callable[[str], None] = print) -> dict:
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers {workers}: give 1 or more worker processes (or leave it out: one per core)")
+    try:
+        lock = output_lock(Path(out))
+        lock.__enter__()
+    except (OutputBusy, NotADirectoryError) as e:
+        raise InputError(str(e)) from None
+    except OSError as e:
+        raise InputError(f"output {out}: {e.strerror or e}; choose another -o") from None
+    try:  # one writer per output for the whole run; the lock goes with this process on any exit
+        return _run_locked(pipeline, inputs, out, tokenizer, workers, base_dir, log)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str], workers: Optional[int],
+                base_dir: Optional[str], log: Callable[[str], None]) -> dict:
     base_dir = str(base_dir or os.getcwd())
     tok_spec = tokenizer or pipeline.tokenizer
     if not tok_spec:
         raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
     tok = load_tokenizer(tok_spec, base_dir)
     template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
-    files = expand_inputs(inputs)  # relative to the working directory; recipes join their own base
+    outp = Path(out)
+    # relative to the working directory (recipes join their own base); never our own output
+    files = expand_inputs(inputs, exclude=outp)
     digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
     parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
     fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests)
-    outp = Path(out)
     manifest = outp / "manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
+    if is_ours(outp) and manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
         shutil.rmtree(outp / WORK, ignore_errors=True)  # left if a run died right after its manifest
         log(f"{out}: up to date (fingerprint {fp[:12]}), nothing to do")
         return json.loads((outp / "stats.json").read_text())
-    prepare_output_dir(outp, fp)
+    prepare_output_dir(outp, fp, log)
     job = Job(pipeline, str(tok.path), base_dir, str(outp))
     workers = max(1, workers or os.cpu_count() or 1)
     # built once here (no encoding yet) from the tokenizer and template already loaded; forked
@@ -71,7 +91,7 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     summaries = [read_marker(job.marker(p.name)) for p in parts]
     packing = pack_globally(job, parts, workers, worker, log) if job.global_pack else None
     stats = dataset_stats(pipeline, summaries, packing)
-    shards = sorted(str(p.relative_to(outp)) for p in (outp / "data").glob("*.parquet"))
+    shards = sorted(str(p.relative_to(outp)) for p in _our_shards(outp))
     _merge_rejects(outp, parts)
     atomic_write_text(outp / "stats.json", json.dumps(stats, indent=2) + "\n")  # keys in reading order
     man = {
@@ -112,27 +132,31 @@ def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[
     return h.hexdigest()
 
 
-def prepare_output_dir(outp: Path, fp: str):
+SHARD_NAME = re.compile(r"(part-\d{5}-\d{4}|packed-\d{5})\.parquet")  # what the passes write under data/
+
+
+def _our_shards(outp: Path) -> list[Path]:
+    data = outp / "data"
+    return sorted(f for f in data.iterdir() if SHARD_NAME.fullmatch(f.name)) if data.is_dir() else []
+
+
+def prepare_output_dir(outp: Path, fp: str, log: Callable[[str], None] = print):
     """Make `outp` ready for a run of fingerprint `fp`: keep a resumable run of the same fingerprint,
-    remove an output of another one, refuse a directory that is not an astrai output."""
+    replace an output of another one, refuse a directory astrai did not write (its ownership
+    marker, astrai.runtime.OUTPUT_MARKER, is the only proof: nothing in another directory is touched)."""
     work = outp / WORK
-    if outp.exists() and any(outp.iterdir()):
-        ours = any((outp / n).exists() for n in ("manifest.json", "stats.json", WORK))
-        if not ours:
-            raise InputError(f"output {outp} exists, is not empty and is not an astrai output; choose another -o")
-        stale = not (work / "fingerprint").exists() or (work / "fingerprint").read_text() != fp
-        if stale:  # another pipeline/input/tokenizer: the old output is invalid
-            # Markers go first, shards after: killed half-way, the leftovers must never read as done
-            # (a manifest saying "up to date", or .work/fingerprint resuming into partitions whose
-            # shards are gone), and .work itself stays until the shards are gone so the directory
-            # is still recognised as ours.
-            for name in ("manifest.json", f"{WORK}/fingerprint", "data", WORK, "stats.json", "rejects.jsonl"):
-                target = outp / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
-    (outp / "manifest.json").unlink(missing_ok=True)
+    if not is_ours(outp):
+        if outp.exists() and any(outp.iterdir()):
+            raise InputError(f"output {outp} exists, is not empty and is not an astrai output (no {OUTPUT_MARKER} "
+                             f"marker); nothing in it was touched: choose another -o, or an empty directory")
+        claim_output(outp, {"fingerprint": fp})
+    stale = not (work / "fingerprint").exists() or (work / "fingerprint").read_text() != fp
+    if stale:  # another pipeline/input/tokenizer: the old output is invalid
+        old = marker_info(outp).get("fingerprint")
+        if (outp / "manifest.json").exists() or _our_shards(outp):
+            log(f"{outp}: replacing an existing output of another fingerprint ({str(old)[:12]}) with {fp[:12]}")
+        _wipe(outp)
+    claim_output(outp, {"fingerprint": fp})
     work.mkdir(parents=True, exist_ok=True)
     (outp / "data").mkdir(exist_ok=True)
     remove_stale_tmp(outp)  # stats.json, manifest.json and rejects.jsonl are written under temporary names too
@@ -140,6 +164,29 @@ def prepare_output_dir(outp: Path, fp: str):
     remove_stale_tmp(work)
     if not (work / "fingerprint").exists():
         atomic_write_text(work / "fingerprint", fp)
+
+
+def _wipe(outp: Path):
+    """Remove a previous output of ours: only what astrai writes (the manifest's shards, shards by our
+    naming rule from an unfinished run, .work, stats.json, rejects.jsonl); anything else stays.
+    Markers go first, shards after: killed half-way, the leftovers must never read as done (a
+    manifest saying "up to date", or .work/fingerprint resuming into partitions whose shards are gone)."""
+    manifest = outp / "manifest.json"
+    listed: list[Path] = []
+    if manifest.exists():
+        try:
+            listed = [outp / s for s in json.loads(manifest.read_text()).get("shards", [])]
+        except ValueError:
+            listed = []
+        manifest.unlink()
+    (outp / WORK / "fingerprint").unlink(missing_ok=True)
+    data = (outp / "data").resolve()
+    for f in sorted(set(listed) | set(_our_shards(outp))):
+        if f.resolve().parent == data and f.is_file():  # a manifest cannot point outside data/
+            os.unlink(f)
+    shutil.rmtree(outp / WORK, ignore_errors=True)  # our scratch folder: markers, intermediates
+    for name in ("stats.json", "rejects.jsonl"):
+        (outp / name).unlink(missing_ok=True)
 
 
 def _tokenize_in_order(worker: Worker, parts: list[Partition]):
