@@ -60,8 +60,16 @@ def main(argv=None) -> int:
     if not args.verb:
         ap.print_help()
         return 2
+    if getattr(args, "workers", None) is not None and args.workers < 1:
+        print(f"error: --workers {args.workers}: give 1 or more worker processes (or leave it out: one per core)",
+              file=sys.stderr)
+        return 2
     try:
         return args.verb_module.run(args)
+    except KeyboardInterrupt:
+        # finished units of work are kept (completion markers); what was half-written is redone
+        print("interrupted; rerun to resume", file=sys.stderr)
+        return 130
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
