@@ -22,6 +22,7 @@ from astrai import __version__
 from astrai.config.pipeline import Pipeline
 from astrai.data.errors import InputError
 from astrai.data.preprocess.job import WORK, Job, Worker
+from astrai.data.preflight import check_reject_share, check_template_markers
 from astrai.data.preprocess.pack import pack_globally
 from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition
 from astrai.data.process import Processor
@@ -72,12 +73,14 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
         shutil.rmtree(outp / WORK, ignore_errors=True)  # left if a run died right after its manifest
         log(f"{out}: up to date (fingerprint {fp[:12]}), nothing to do")
         return json.loads((outp / "stats.json").read_text())
-    prepare_output_dir(outp, fp, log)
     job = Job(pipeline, str(tok.path), base_dir, str(outp))
     workers = max(1, workers or os.cpu_count() or 1)
     # built once here (no encoding yet) from the tokenizer and template already loaded; forked
     # workers inherit it, spawned ones build their own from the job
     worker = Worker(job, Processor(pipeline, tok, base_dir, template))
+    # before any work (and before an old output is replaced): a missing marker token rejects every record
+    check_template_markers(worker.processor)
+    prepare_output_dir(outp, fp, log)
 
     todo = [p for p in parts if not is_done(job.marker(p.name))]
     if len(todo) < len(parts):
@@ -94,6 +97,8 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     shards = sorted(str(p.relative_to(outp)) for p in _our_shards(outp))
     _merge_rejects(outp, parts)
     atomic_write_text(outp / "stats.json", json.dumps(stats, indent=2) + "\n")  # keys in reading order
+    # no manifest when too much was rejected: a rerun must fail again, not say "up to date"
+    check_reject_share(stats, pipeline.preprocessing.max_reject_share, str(outp / "rejects.jsonl"))
     man = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fp,
