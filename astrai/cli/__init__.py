@@ -32,10 +32,12 @@ def verbs() -> list[tuple[str, str]]:
     return [("run", "astrai.cli.run"), *stage_verbs, *_TOOL_VERBS]
 
 
-def add_set(p: argparse.ArgumentParser):
+def add_set(p: argparse.ArgumentParser, verb: str = ""):
+    # a recipe's pipeline keys are reached through `pipeline.`; the example must work as printed
+    example = "pipeline.preprocessing.max_seq_len=1024" if verb == "run" else "preprocessing.max_seq_len=1024"
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set preprocessing.max_seq_len=4096 (repeatable; "
-                        "values are typed as YAML)")
+                   help=f"override a config key, e.g. --set {example} (repeatable; values are typed as YAML"
+                        + ("" if verb == "run" else "; on a recipe, pipeline keys as pipeline.KEY") + ")")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         p = sub.add_parser(verb, help=module.help_for(verb), formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
-        add_set(p)
+        add_set(p, verb)
         p.set_defaults(verb_module=module)
     return ap
 
