@@ -83,8 +83,23 @@ def read_marker(marker: Path) -> dict:
 _context: Any = None  # this worker process's context, set once by the pool initializer
 
 
-def _init_worker(setup: Callable[[], Any], context: Any):
+def _exit_with_parent(parent: int, every_s: float = 0.5):
+    """A worker whose parent died (SIGKILL, OOM killer) exits at once instead of working through
+    its queue and then waiting forever for the next task: its unfinished unit is redone on a rerun."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _init_worker(setup: Callable[[], Any], context: Any, parent: int):
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per worker process
+    _exit_with_parent(parent)
     global _context
     _context = context if context is not None else setup()
 
@@ -116,7 +131,7 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
     fork = "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork" if fork else "spawn")
     pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_worker,
-                               initargs=(setup, context if fork else None))
+                               initargs=(setup, context if fork else None, os.getpid()))
     try:
         futures = [pool.submit(_call, fn, t) for t in tasks]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -136,6 +151,24 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
         pool.shutdown(wait=True, cancel_futures=True)
     log(f"{len(tasks)} {what} done with {workers} workers")
 
+
+
+# ---------------------------------------------------------------------------------------------
+# input identity
+
+
+def file_identity(paths) -> dict:
+    """(size, mtime_ns, inode) of each file (every file under a directory): taken before reading and
+    compared after, so an input replaced, truncated or appended while it was read is detected (and a
+    later restore of the old bytes cannot make the half-read result look complete)."""
+    out = {}
+    for p in paths:
+        p = Path(p)
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                st = f.stat()
+                out[str(f)] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,3 +121,75 @@ def test_workers_must_be_positive(tmp_path, tiny_tokenizer):
     for n in (0, -1):
         with pytest.raises(InputError, match="--workers"):
             run_preprocess(pipeline(), [str(data)], str(tmp_path / "o"), tokenizer=str(tiny_tokenizer), workers=n)
+
+
+def test_an_input_truncated_mid_run_fails_and_a_restore_is_not_up_to_date(tmp_path, tiny_tokenizer, monkeypatch):
+    import astrai.data.preprocess.run as pre
+
+    data = tmp_path / "d.jsonl"
+    full = chat_records(60, seed=3)
+    data.write_text(full)
+    out = tmp_path / "o"
+    pipe = pipeline(partition_bytes=2000)
+    real = pre.tokenize_partition
+    calls = []
+
+    def truncate_after_first(worker, task):
+        real(worker, task)
+        calls.append(task)
+        if len(calls) == 1:
+            data.write_text(full[: len(full) // 2])  # the writer of the input is not done yet
+
+    with monkeypatch.context() as m:
+        m.setattr(pre, "tokenize_partition", truncate_after_first)
+        with pytest.raises(InputError, match="changed while it was being read"):
+            run(pipe, [data], out, tiny_tokenizer)
+    assert not (out / "manifest.json").exists()
+    data.write_text(full)  # the old bytes again: same digest as the run that saw half of them
+    stats = run(pipe, [data], out, tiny_tokenizer)
+    assert stats["records_read"] == 60
+
+
+def test_workers_exit_when_their_parent_dies(tmp_path):
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = f"""
+import os, time
+from astrai.runtime import run_tasks
+
+def work(ctx, task):
+    open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+    time.sleep(60)
+
+run_tasks(work, list(range(6)), workers=2, setup=lambda: None, context=0)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
+    deadline = time.time() + 30
+    while len(list(pids.iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    workers = [int(p.name) for p in pids.iterdir()]
+    assert len(workers) == 2
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        # a zombie reparented to init (or to us) is gone for our purpose
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + 5
+    while any(alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    left = [p for p in workers if alive(p)]
+    for p in left:  # do not leave them behind when the test fails
+        os.kill(p, signal.SIGKILL)
+    assert not left, "workers outlived their parent"

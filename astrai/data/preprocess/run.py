@@ -30,8 +30,8 @@ from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_pa
 from astrai.data.stats import dataset_stats
 from astrai.data.template import resolve_template
 from astrai.data.tokenizer import load_tokenizer
-from astrai.runtime import (OUTPUT_MARKER, OutputBusy, atomic_write_text, claim_output, is_done, is_ours, marker_info, output_lock,
-                            read_marker, remove_stale_tmp, run_tasks)
+from astrai.runtime import (OUTPUT_MARKER, OutputBusy, atomic_write_text, claim_output, file_identity, is_done,
+                            is_ours, marker_info, output_lock, read_marker, remove_stale_tmp, run_tasks)
 
 FORMAT_VERSION = 1
 
@@ -65,6 +65,7 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     outp = Path(out)
     # relative to the working directory (recipes join their own base); never our own output
     files = expand_inputs(inputs, exclude=outp)
+    identity = file_identity(files)  # before the digests: a change after it is seen at the end
     digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
     parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
     fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests)
@@ -91,6 +92,7 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
         run_tasks(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
                   setup=partial(Worker.build, job), context=worker, what="partitions", log=log)
 
+    _check_unchanged(outp, files, identity)
     summaries = [read_marker(job.marker(p.name)) for p in parts]
     packing = pack_globally(job, parts, workers, worker, log) if job.global_pack else None
     stats = dataset_stats(pipeline, summaries, packing)
@@ -192,6 +194,17 @@ def _wipe(outp: Path):
     shutil.rmtree(outp / WORK, ignore_errors=True)  # our scratch folder: markers, intermediates
     for name in ("stats.json", "rejects.jsonl"):
         (outp / name).unlink(missing_ok=True)
+
+
+def _check_unchanged(outp: Path, files: list[Path], identity: dict):
+    """Fail when an input changed while it was read. The partitions read from it are not trusted
+    either: .work/fingerprint goes, so the rerun starts over instead of resuming into them."""
+    now = file_identity(files)
+    changed = sorted(f for f in identity.keys() | now.keys() if identity.get(f) != now.get(f))
+    if changed:
+        (outp / WORK / "fingerprint").unlink(missing_ok=True)
+        raise InputError(f"input {changed[0]}" + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
+                         + " changed while it was being read; nothing was marked done: rerun once it is complete")
 
 
 def _tokenize_in_order(worker: Worker, parts: list[Partition]):
