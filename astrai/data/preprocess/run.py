@@ -24,6 +24,7 @@ from astrai.data.errors import InputError
 from astrai.data.preprocess.job import WORK, Job, Worker
 from astrai.data.preflight import check_reject_share, check_template_markers
 from astrai.data.preprocess.pack import pack_globally
+from astrai.data.preprocess.summary import summary_lines
 from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition
 from astrai.data.process import Processor
 from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_partitions
@@ -115,8 +116,8 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     }
     atomic_write_text(manifest, json.dumps(man, indent=2, sort_keys=True) + "\n")  # the run's completion marker
     shutil.rmtree(outp / WORK, ignore_errors=True)
-    log(f"{out}: {stats['records_kept']} records kept of {stats['records_read']} read, {stats['rows']} rows, "
-        f"{stats['tokens']} tokens ({stats['trained_tokens']} trained) in {len(shards)} shard(s)")
+    for line in summary_lines(stats, out, len(shards)):
+        log(line)
     return stats
 
 
