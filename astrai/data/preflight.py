@@ -46,8 +46,8 @@ def check_template_markers(processor) -> None:
     split = [m for m in markers if len(hf.encode(m, add_special_tokens=False).ids) != 1]
     if split:
         listed = ", ".join(repr(m) for m in split)
-        raise InputError(f"chat template {processor.template.name}: {listed} {'is' if len(split) == 1 else 'are'} not "
-                         f"single tokens of tokenizer {processor.tok.path}, so every message boundary would be "
+        verb = "is not a single token" if len(split) == 1 else "are not single tokens"
+        raise InputError(f"chat template {processor.template.name}: {listed} {verb} of tokenizer {processor.tok.path}, so every message boundary would be "
                          f"rejected (boundary_straddle); add `added_tokens: [{', '.join(split)}]` to the pipeline, "
                          f"or use a tokenizer (or template) that has them")
 
