@@ -47,8 +47,8 @@ def check_template_markers(processor) -> None:
     if split:
         listed = ", ".join(repr(m) for m in split)
         verb = "is not a single token" if len(split) == 1 else "are not single tokens"
-        raise InputError(f"chat template {processor.template.name}: {listed} {verb} of tokenizer {processor.tok.path}, so every message boundary would be "
-                         f"rejected (boundary_straddle); add `added_tokens: [{', '.join(split)}]` to the pipeline, "
+        raise InputError(f"chat template {processor.template.name}: {listed} {verb} of tokenizer "
+                         f"{processor.tok.path}, so every message boundary would be rejected (boundary_straddle); add `added_tokens: [{', '.join(split)}]` to the pipeline, "
                          f"or use a tokenizer (or template) that has them")
 
 
