@@ -196,9 +196,14 @@ def claim_output(folder: Path, info: dict):
     atomic_write_text(Path(folder) / OUTPUT_MARKER, json.dumps({"written_by": "astrai", **info}, sort_keys=True))
 
 
-def inside_output(path: Path) -> bool:
-    """True when `path` lies inside (or is) a directory astrai owns: inputs are never read from one."""
+def inside_output(path: Path, exclude: Path | None = None) -> bool:
+    """True when `path` lies inside (or is) a directory astrai owns (its marker), or the output
+    `exclude` of the run asking (not marked yet on a first run): inputs are never read from one."""
     path = Path(path).absolute()
+    if exclude is not None:
+        ex = Path(exclude).absolute()
+        if path == ex or ex in path.parents:
+            return True
     return any((p / OUTPUT_MARKER).is_file() for p in (path, *path.parents))
 
 

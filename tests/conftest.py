@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,43 @@ def read_rows():
         return [r for f in sorted(Path(out, "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
 
     return read
+
+
+NODE_CPUS = 1  # two nodes x one CPU: two tasks at a time, one per node, on the 2-core machine
+OBJECT_STORE = 100 * 2 ** 20  # Ray would take 30% of RAM per node; tasks here pass only small plans
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """(tests/data/test_ray.py, tests/test_runtime_ray.py)
+
+    The address of a running two-node local cluster; the test session's driver is not connected.
+
+    RAY_TMPDIR keeps the sessions' sockets and logs in a private, short directory (unix socket
+    paths are limited to ~107 bytes) and is inherited, like the rest of this environment, by every
+    node's workers, so variables set here before the start reach the tasks."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    tmp = tempfile.mkdtemp(prefix="astrai-ray-", dir="/tmp")
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "ASTRAI_FAULT_DIR", "RAY_USAGE_STATS_ENABLED")}
+    os.environ["RAY_TMPDIR"] = tmp
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # hermetic: no usage report leaves the test machine
+    os.environ["ASTRAI_FAULT_DIR"] = os.path.join(tmp, "faults")
+    os.makedirs(os.environ["ASTRAI_FAULT_DIR"])
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": NODE_CPUS, "object_store_memory": OBJECT_STORE, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE)
+        cluster.wait_for_nodes()
+        yield cluster.address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(tmp, ignore_errors=True)

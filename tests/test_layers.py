@@ -1,8 +1,9 @@
 """The module graph: small files, and no import that runs back up the layers.
 
-Layers, bottom up: schema, runtime (import nothing from astrai) -> config (loading, pipeline,
-stages, recipe) -> data -> cli. data may read the pipeline model and the stage options, never the
-recipe model, the CLI, train or infer; config never imports a stage's code.
+Layers, bottom up: schema, runtime, runtime_ray (import nothing from astrai) -> config (loading, pipeline,
+stages, recipe) -> data -> [train, infer] -> recipe (chaining stages) -> cli. data may read the
+pipeline model and the stage options, never the recipe model, the CLI, train or infer; config
+never imports a stage's code.
 """
 
 import ast
@@ -19,8 +20,10 @@ MAX_LINES = 400
 FORBIDDEN = {  # module prefix -> modules it must not import
     "astrai.schema": ("astrai.",),
     "astrai.runtime": ("astrai.",),
-    "astrai.config": ("astrai.data", "astrai.cli", "astrai.train", "astrai.infer", "astrai.model"),
-    "astrai.data": ("astrai.cli", "astrai.config.recipe", "astrai.train", "astrai.infer"),
+    "astrai.runtime_ray": ("astrai.",),
+    "astrai.config": ("astrai.data", "astrai.cli", "astrai.train", "astrai.infer", "astrai.model", "astrai.recipe"),
+    "astrai.data": ("astrai.cli", "astrai.config.recipe", "astrai.train", "astrai.infer", "astrai.recipe"),
+    "astrai.recipe": ("astrai.cli",),
 }
 
 

@@ -28,16 +28,19 @@ _TOOL_VERBS = (("validate", "astrai.cli.validate"), ("inspect", "astrai.cli.insp
 def verbs() -> list[tuple[str, str]]:
     # a landed stage without a verb module runs only inside recipes
     stage_verbs = [(s.name, s.verb if s.landed else "astrai.cli.stub") for s in STAGES.values()
-                   if s.verb or not s.landed]
+                   if s.verb or not s.landed]  # a recipe-only stage (tokenizer) counts as landed, has no verb
     return [("run", "astrai.cli.run"), *stage_verbs, *_TOOL_VERBS]
 
 
 def add_set(p: argparse.ArgumentParser, verb: str = ""):
-    # a recipe's pipeline keys are reached through `pipeline.`; the example must work as printed
-    example = "pipeline.preprocessing.max_seq_len=1024" if verb == "run" else "preprocessing.max_seq_len=1024"
+    # every example here must work as printed (tests/test_cli_set.py runs them)
+    if verb == "run":
+        example = ("--set preprocess.holdout=0.2 (STAGE.KEY; a pipeline key such as --set "
+                   "preprocessing.max_seq_len=256 goes to the recipe's preprocess stages)")
+    else:
+        example = "--set preprocessing.max_seq_len=1024 (on a recipe, pipeline keys also as pipeline.KEY)"
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"override a config key, e.g. --set {example} (repeatable; values are typed as YAML"
-                        + ("" if verb == "run" else "; on a recipe, pipeline keys as pipeline.KEY") + ")")
+                   help=f"override a config key, e.g. {example}; repeatable, values are typed as YAML")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,8 +80,9 @@ def main(argv=None) -> int:
         return 1
     except Exception as e:
         from astrai.data.errors import InputError, RecordError
+        from astrai.runtime_ray import ClusterError
 
-        if isinstance(e, (InputError, RecordError)):
+        if isinstance(e, (InputError, RecordError, ClusterError)):
             print(f"error: {e}", file=sys.stderr)
             return 1
         raise

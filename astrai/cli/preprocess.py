@@ -23,18 +23,36 @@ def add_arguments(p):
     p.add_argument("-o", "--output", required=True, help="output directory")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (overrides the pipeline's) [default: "
                                                      "the pipeline's tokenizer]")
-    p.add_argument("--workers", type=int, default=None, help="worker processes [default: number of cores]")
+    for name, kw in (("workers", {"type": int}), ("executor", {}), ("ray_address", {"metavar": "HOST:PORT"})):
+        _stage_option(p, name, **kw)
+
+
+def _stage_option(p, name: str, **kw):
+    """A flag declared once, by the recipe's preprocess block (PreprocessOptions): its default,
+    choices and meaning come from the model, so `--executor` and `preprocess: {executor: ...}` agree."""
+    from typing import Literal, get_args, get_origin
+
+    from astrai.config.stages import PreprocessOptions
+
+    field = PreprocessOptions.model_fields[name]
+    if get_origin(field.annotation) is Literal:
+        kw["choices"] = get_args(field.annotation)
+    shown = "" if field.default is None else f" [default: {field.default}]"  # else the description says it
+    p.add_argument("--" + name.replace("_", "-"), default=field.default, help=field.description + shown, **kw)
 
 
 def run(args) -> int:
     from astrai.data.preprocess import run_preprocess
 
     cfg = load_any(args.pipeline, tuple(args.overrides))
-    if cfg.recipe is not None:
+    if cfg.is_recipe:
         print(f"error: {args.pipeline} is a recipe, not a pipeline (use astrai run)", file=sys.stderr)
         return 1
+    if args.ray_address is not None and args.executor != "ray":
+        print("error: --ray-address is only used with --executor ray", file=sys.stderr)
+        return 2
     t0 = time.time()
     run_preprocess(cfg.pipeline, args.inputs, args.output, tokenizer=cfg.tokenizer(args.tokenizer),
-                   workers=args.workers, base_dir=cfg.base_dir)
+                   workers=args.workers, base_dir=cfg.base_dir, executor=args.executor, ray_address=args.ray_address)
     print(f"done in {time.time() - t0:.1f}s")
     return 0

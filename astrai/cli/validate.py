@@ -2,7 +2,8 @@
 
 Config problems first (every one, with key path and line:column). Then, when the config is valid:
 the tokenizer (directory or package) exists and loads, the chat template exists and compiles and
-its markers are single tokens, and a recipe's input paths exist. `--deep N` processes the first N
+its markers are single tokens, and a recipe's input paths exist (a recipe of named stages is
+checked by astrai.recipe: every stage, reference and input). `--deep N` processes the first N
 input records exactly as a run would (into a temporary directory) and reports rejects by reason and
 the trained share. Exit 1 on any problem.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from astrai.config import ConfigError, load_any
+from astrai.config import ConfigError, is_staged, load_any, load_yaml
 
 DEEP_DEFAULT = 100
 
@@ -33,6 +34,12 @@ def add_arguments(p):
 
 def run(args) -> int:
     try:
+        if is_staged(load_yaml(args.file)[0]):  # chained stages: every stage, reference and input checked
+            from astrai.recipe.command import load_recipe_spec
+
+            load_recipe_spec(args.file, tuple(args.overrides))
+            print(f"{args.file}: OK")
+            return 0
         cfg = load_any(args.file, tuple(args.overrides))
     except ConfigError as e:
         for p in e.problems:
@@ -65,10 +72,11 @@ def _resources(cfg, args) -> list[str]:
 
     problems = []
     inputs = args.inputs or cfg.recipe_inputs
-    try:
-        expand_inputs(inputs)
-    except InputError as e:
-        problems.append(str(e))
+    if inputs:  # a pipeline alone names none (give -i to check some)
+        try:
+            expand_inputs(inputs)
+        except InputError as e:
+            problems.append(str(e))
     spec = cfg.tokenizer(args.tokenizer)
     if not spec:
         if cfg.pipeline.chat_template:

@@ -19,7 +19,8 @@ _HOME = {
                      "parse_set", "validate_data"), "loading"),
     **dict.fromkeys(("DEFAULT_MASK", "InputConfig", "Output", "Pipeline", "Preprocessing", "Section", "Source",
                      "load_pipeline"), "pipeline"),
-    **dict.fromkeys(("Loaded", "Recipe", "detect_kind", "load_any", "load_recipe", "split_overrides"), "recipe"),
+    **dict.fromkeys(("Loaded", "Recipe", "STAGE_OUTPUT", "detect_kind", "is_staged", "load_any", "load_recipe",
+                     "run_dir_of", "split_overrides", "stage_output"), "recipe"),
     **dict.fromkeys(("STAGES", "PreprocessOptions", "Stage", "StageContext"), "stages"),
 }
 _ALIASES = {"PreprocessStage": "PreprocessOptions"}  # the name before the stage registry

@@ -23,6 +23,8 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from astrai import yaml_bounded
+
 @dataclass(frozen=True)
 class Problem:
     path: str  # dotted key path, e.g. "preprocessing.max_seq_len"
@@ -174,7 +176,11 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
         raise ValueError(f"--set has an empty key: {expr!r}")
-    return parts, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return parts, yaml_bounded.load(raw)[0] if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"--set {key.strip()}: the value {raw!r} is not valid YAML "
+                         f"({getattr(e, 'problem', None) or e}); quote it as a string: {key.strip()}='\"...\"'") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -210,8 +216,7 @@ def load_yaml(path: str | os.PathLike) -> tuple[Any, dict]:
         raise ConfigError(str(path), [Problem("", f"no such file: {path}" if isinstance(e, FileNotFoundError)
                                               else f"cannot read {path}: {e.strerror or e}")]) from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        data, node = yaml_bounded.load(text)  # aliases and nesting bounded before anything walks the tree
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
@@ -231,7 +236,7 @@ def validate_data(data: Any, model: type[BaseModel], file: str, marks: Optional[
 
 
 def _from_set(p: Problem, sets) -> Problem:
-    for key, shown in sets:
+    for key, shown in reversed(sets):  # the last override of a key is the one in effect
         if p.path and (p.path == key or p.path.startswith((key + ".", key + "[")) or key.startswith(p.path + ".")):
             return Problem(f"--set {shown}", f"{p.path}: {p.message}")
     return p

@@ -8,6 +8,7 @@ combination checks (which options cannot go together, and the fix) sit right bel
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, model_validator
@@ -78,6 +79,10 @@ class Preprocessing(StrictModel):
         "keep_start", description="which end of an over-long document is kept"
     )
     end_of_turn: TrainOrMask = Field("train", description="train or mask the end-of-turn token(s) after trained messages")
+    empty_message: Literal["filter", "mask", "train"] = Field(
+        "filter", description="a trained message with no text: filter the record (reason empty_message), mask the "
+                              "message, or train its end-of-turn token alone"
+    )
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="bad record: raise (stop with file:line) or skip (write it to rejects.jsonl)"
     )
@@ -196,7 +201,31 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     lo, hi = get_in(pp, "min_chars"), get_in(pp, "max_chars")
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         out.append((("preprocessing", "min_chars"), "min_chars is larger than max_chars: no record could pass"))
+    out += tokenizer_problems(data)
     return out
+
+
+def tokenizer_problems(data: Any, at: tuple = ("tokenizer",)) -> list[tuple[tuple, str]]:
+    """A `package:` tokenizer must be a top-level package name: it is located, never imported."""
+    problem = package_spec_problem(get_in(data, *at))
+    return [(at, problem)] if problem else []
+
+
+_PACKAGE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(-[A-Za-z0-9_]+)*")
+
+
+def package_spec_problem(spec) -> Optional[str]:
+    """Why a `package:NAME` tokenizer value is not acceptable (None if it is, or is not package:).
+    Only a top-level name: finding `a.b` through the import system would import (run) `a`."""
+    if not isinstance(spec, str) or not spec.startswith("package:"):
+        return None
+    name = spec[len("package:"):]
+    if "." in name:
+        return (f"'{spec}': give a top-level package name (e.g. package:{name.split('.')[0]}), not a dotted "
+                f"module path; astrai locates the package's files and never imports it")
+    if not _PACKAGE_NAME.fullmatch(name):
+        return f"'{spec}': '{name}' is not a package name (letters, digits, '_' and '-')"
+    return None
 
 
 def _value_column_problems(sections: Any, sources: Any) -> list[tuple[tuple, str]]:

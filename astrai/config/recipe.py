@@ -21,7 +21,7 @@ from astrai.config.loading import (
     ConfigError, Problem, StrictModel, find_mark, get_in, load_yaml, override, raise_combination_problems,
     validate_data,
 )
-from astrai.config.pipeline import Pipeline, load_pipeline
+from astrai.config.pipeline import Pipeline, load_pipeline, tokenizer_problems
 from astrai.config.stages import STAGES, StageContext
 
 
@@ -49,7 +49,8 @@ def _stage_field(stage):
 
 def recipe_model(stages: dict) -> type[StrictModel]:
     """The recipe model for a stage registry: each stage's block checked by the stage's options model."""
-    model = create_model("Recipe", __base__=_RecipeBase, **{s.name: _stage_field(s) for s in stages.values()})
+    model = create_model("Recipe", __base__=_RecipeBase,
+                         **{s.name: _stage_field(s) for s in stages.values() if not s.recipe_only})
     model.__doc__ = "A recipe: one block per stage (astrai.config.stages), each checked by its options model."
     return model
 
@@ -58,8 +59,15 @@ Recipe = recipe_model(STAGES)
 
 
 def recipe_combination_problems(data: Any) -> list[tuple[tuple, str]]:
-    return [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from the recipe")
-            for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
+    out = [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from the recipe")
+           for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
+    # the stages' own combination checks, with their key paths under the stage's block
+    for s in STAGES.values():
+        check = getattr(s.options, "combination_problems", None)
+        block = get_in(data, s.name)
+        if check is not None and isinstance(block, dict):
+            out.extend(((s.name, *loc), msg) for loc, msg in check(block))
+    return out + tokenizer_problems(data, ("preprocess", "tokenizer"))
 
 
 def load_recipe(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Recipe:
@@ -69,10 +77,58 @@ def load_recipe(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Rec
 
 
 def detect_kind(data: Any) -> str:
-    """'recipe' or 'pipeline', from the top-level keys (a recipe's keys are stage names)."""
-    if isinstance(data, dict) and any(name in data for name in STAGES):
+    """'recipe' or 'pipeline', from the top-level keys (a recipe's keys are stage names, or `stages`)."""
+    legacy = [name for name, s in STAGES.items() if not s.recipe_only]  # a pipeline has a tokenizer: key too
+    if isinstance(data, dict) and (is_staged(data) or any(name in data for name in legacy)):
         return "recipe"
     return "pipeline"
+
+
+def is_staged(data: Any) -> bool:
+    """A recipe of named, chained stages (`stages:`; run by astrai.recipe) rather than top-level blocks."""
+    return isinstance(data, dict) and "stages" in data
+
+
+STAGE_OUTPUT = "output"  # RUN/<stage>/output: what a stage of a `stages:` recipe produces
+
+
+def run_dir_of(recipe_path: str | os.PathLike, data: dict) -> Path:
+    """A `stages:` recipe's run directory: run_dir, relative to the recipe file (default runs/<name>)."""
+    run_dir = data.get("run_dir") or Path("runs") / str(data.get("name") or Path(recipe_path).stem)
+    return Path(os.path.normpath(Path(recipe_path).resolve().parent / str(run_dir)))
+
+
+def stage_output(recipe_path: str | os.PathLike, data: dict, name: str) -> Path:
+    """Where stage `name` of a `stages:` recipe writes (the one home of this rule; astrai.recipe uses it)."""
+    return run_dir_of(recipe_path, data) / name / STAGE_OUTPUT
+
+
+def _staged_preprocess(path, data: dict, marks: dict, overrides) -> "Loaded":
+    """The first preprocess stage of a `stages:` recipe, as `inspect` and `validate` need it. A tokenizer
+    that names a stage is that stage's output, which exists once it has run."""
+    stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
+    name = next((n for n, b in stages.items() if isinstance(b, dict) and b.get("kind", n) == "preprocess"), None)
+    if name is None:
+        raise ConfigError(str(path), [Problem("stages", "this recipe has no preprocess stage", *find_mark(marks, ("stages",)))])
+    block = stages[name]
+    base = Path(path).parent
+    pipe_path = base / str(block.get("pipeline", ""))
+    if not pipe_path.is_file():
+        line, col = find_mark(marks, ("stages", name, "pipeline"))
+        raise ConfigError(str(path), [Problem(f"stages.{name}.pipeline", f"file not found: {pipe_path}", line, col)])
+    tok = block.get("tokenizer")
+    if isinstance(tok, str) and tok in stages:
+        out = stage_output(path, data, tok)
+        if not (out / "tokenizer.json").exists():
+            line, col = find_mark(marks, ("stages", name, "tokenizer"))
+            raise ConfigError(str(path), [Problem(f"stages.{name}.tokenizer", f"the tokenizer of stage '{tok}' is "
+                                                  f"made by running it: astrai run {path} --only {tok}", line, col)])
+        tok = str(out)
+    elif isinstance(tok, str):
+        tok = StageContext(base).tokenizer(tok)
+    inputs = [StageContext(base).path(i) for i in block.get("inputs") or []]
+    pipeline = load_pipeline(pipe_path, tuple(list(block.get("overrides") or []) + list(overrides)))
+    return Loaded(None, pipeline, pipe_path, base, staged_inputs=tuple(inputs), staged_tokenizer=tok)
 
 
 def split_overrides(overrides) -> tuple[list[str], list[str]]:
@@ -90,6 +146,12 @@ class Loaded:
     pipeline: Pipeline
     pipeline_path: Path
     recipe_dir: Optional[Path] = None
+    staged_inputs: tuple = ()  # a `stages:` recipe: its first preprocess stage's inputs and tokenizer
+    staged_tokenizer: Optional[str] = None
+
+    @property
+    def is_recipe(self) -> bool:
+        return self.recipe is not None or self.recipe_dir is not None
 
     @property
     def base_dir(self) -> str:
@@ -102,6 +164,8 @@ class Loaded:
 
     @property
     def recipe_inputs(self) -> list[str]:
+        if self.staged_inputs:
+            return list(self.staged_inputs)
         return [self.recipe_path(i) for i in self.recipe.preprocess.inputs] if self.recipe else []
 
     def tokenizer(self, command_line: Optional[str] = None) -> Optional[str]:
@@ -112,6 +176,8 @@ class Loaded:
                 return command_line
             p = Path(command_line)
             return str((p if p.exists() else self.pipeline_path.parent / p).resolve())
+        if self.staged_tokenizer:
+            return self.staged_tokenizer
         tok = self.recipe.preprocess.tokenizer if self.recipe else None
         return StageContext(self.recipe_dir).tokenizer(tok) if tok else self.pipeline.tokenizer
 
@@ -124,6 +190,8 @@ def load_any(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Loaded
         sets = override(data, overrides, path)
         return Loaded(None, validate_data(data, Pipeline, str(path), marks, sets), Path(path))
     r_over, p_over = split_overrides(overrides)
+    if is_staged(data):
+        return _staged_preprocess(path, data, marks, p_over)
     _refuse_pipeline_keys(path, r_over)
     sets = override(data, r_over, path)
     recipe = validate_data(data, Recipe, str(path), marks, sets)

@@ -29,11 +29,12 @@ import importlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from astrai.config.loading import StrictModel
+from astrai.config.infer import EvalOptions, GenerateOptions
+from astrai.config.loading import StrictModel, get_in, raise_combination_problems
 
 
 class PreprocessOptions(StrictModel):
@@ -44,6 +45,22 @@ class PreprocessOptions(StrictModel):
     output: str = Field(description="output directory, relative to the recipe file")
     tokenizer: Optional[str] = Field(None, description="overrides the pipeline's tokenizer")
     workers: Optional[int] = Field(None, gt=0, description="parallel workers; default: number of cores")
+    executor: Literal["local", "ray"] = Field(
+        "local", description="local (process pool) | ray (a task per partition and per shard on a Ray cluster; "
+                             "needs astrai[ray] and shared storage, docs/ray.md)")
+    ray_address: Optional[str] = Field(
+        None, description="Ray cluster address HOST:PORT (executor: ray); default: RAY_ADDRESS, else a private "
+                          "local Ray")
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        return raise_combination_problems(self)
+
+    @classmethod
+    def combination_problems(cls, data: Any) -> list[tuple[tuple, str]]:
+        if get_in(data, "ray_address") is not None and get_in(data, "executor", default="local") != "ray":
+            return [(("ray_address",), "ray_address is only used with executor: ray (set it, or remove ray_address)")]
+        return []
 
 
 @dataclass(frozen=True)
@@ -75,10 +92,18 @@ class Stage:
     run: Optional[str] = None  # "module:function", called as function(options, ctx)
     verb: Optional[str] = None  # the CLI module of the verb (add_arguments, run)
     required: bool = False  # every recipe must declare it
+    # "module:name" of the stage's recipe facts (astrai.recipe.kinds.StageKind: what it produces and
+    # reads, its checks): how `astrai run` chains it with other stages under `stages:`
+    recipe_kind: Optional[str] = None
 
     @property
     def landed(self) -> bool:
-        return self.options is not None
+        return self.options is not None or self.recipe_only
+
+    @property
+    def recipe_only(self) -> bool:
+        """A stage that exists only inside `stages:` recipes (no top-level block, no verb)."""
+        return self.recipe_kind is not None and self.run is None
 
     def run_function(self) -> Callable:
         module, _, func = self.run.partition(":")
@@ -86,13 +111,18 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    # the only stage today, so every recipe has it; once a recipe can start from data made
-    # elsewhere (train on an existing output), it stops being required
+    # Recipes written with `stages:` (astrai.recipe) name their stages and chain them, each kind's
+    # facts in its recipe_kind; the older form, one top-level block per stage, still runs here.
+    Stage("tokenizer", "byte-level BPE trained on the recipe's own records", None, None, None,
+          recipe_kind="astrai.recipe.builtin:TOKENIZER"),
     Stage("preprocess", "records -> Parquet shards with exact labels", PreprocessOptions,
-          "astrai.data.preprocess.stage:run", "astrai.cli.preprocess", required=True),
+          "astrai.data.preprocess.stage:run", "astrai.cli.preprocess", required=True,
+          recipe_kind="astrai.recipe.builtin:PREPROCESS"),
     Stage("train", "training (pretrain/SFT/DPO/GRPO)"),
-    Stage("eval", "evaluation"),
-    Stage("generate", "generation"),
+    Stage("eval", "perplexity on held-out preprocessed data + sample generations -> eval.json", EvalOptions,
+          "astrai.infer.eval:run_stage", "astrai.cli.eval"),
+    Stage("generate", "continue text (--prompt) or answer conversations (--chat) with a checkpoint",
+          GenerateOptions, "astrai.infer.generate:run_stage", "astrai.cli.generate"),
 )}
 
 

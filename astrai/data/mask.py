@@ -23,8 +23,12 @@ The method (two renders, one tokenization, all linear in the conversation):
 4. A trained message's region runs from the end of its header to the end of its last text span.
    For assistant messages the header is the template's generation prompt, found in the scaffold
    just before the message, so generated markup such as `<think>` and `</think>` is trained; other
-   roles start at their text. Think tags that open or close the message's own text belong to it
-   (this matters when the template has no generation prompt). Role headers are never trained. The
+   roles start at their text. The rule: an assistant turn is trained from where the prompt ends
+   (what add_generation_prompt renders) to its end-of-turn. A template without a generation prompt
+   that writes text between the prompt and the answer (Llama-2: "[/INST]" + " " + answer) has that
+   "answer lead" trained too: the model generates it, merged into the answer's first token. Think
+   tags that open or close the message's own text belong to it (this matters when the template has
+   no generation prompt). Role headers are never trained. The
    end-of-turn token(s) right after the region (whitespace, then the first special token) are
    trained or masked by policy.
    Tool calls are rendered by the template from structured data, so they have no sentinel: a
@@ -37,10 +41,14 @@ The method (two renders, one tokenization, all linear in the conversation):
    trained assistant message whose render holds no text at all (empty content, or tool calls only)
    is anchored at its own generation prompt (header): the assistant messages without text between
    two messages with text must own the generation prompts found there one for one, in order, else
-   the record is rejected.
+   the record is rejected. A template without a generation prompt has no header to anchor at: an
+   answer made only of think tags is then located by its own text, which must occur exactly once
+   there.
 5. Tokenize `text` once with character offsets. A token is trained iff its span lies inside a
-   trained region. A token that straddles a region edge (template text and message text merged in
-   one token) cannot be attributed, and the record is rejected with that reason.
+   trained region. A token that straddles a region's start (template text and message text merged
+   in one token) cannot be attributed, and the record is rejected with that reason. One that
+   straddles its end merges the text with template text of the same turn: the turn is then trained
+   to its end-of-turn token (the rule), if one follows before the next message's text.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from typing import Optional
 import numpy as np
 
 from astrai.data.errors import RecordError
-from astrai.data.regions import Region, RenderedChat, generation_prompt, render_with_regions  # noqa: F401
+from astrai.data.regions import Region, RenderedChat, prompt_probe, render_with_regions  # noqa: F401
 from astrai.schema import IGNORE_INDEX
 
 
@@ -158,15 +166,22 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
         s, e = spans.span(k)
         return text[s:e]
 
+    def straddle(r, j) -> RecordError:
+        return RecordError("boundary_straddle", f"message {r.msg} ({r.role}): token {tok_text(j)!r} spans template "
+                                                f"text and message text; no exact label exists")
+
     for r in chat.regions:
         if not r.trained:
             continue
-        # the end edge of a to_eot region is not a label edge: the tokens after it are trained too
-        for edge in (r.start,) if r.to_eot else (r.start, r.end):
-            j = spans.straddler(edge)
-            if j is not None:
-                raise RecordError("boundary_straddle", f"message {r.msg} ({r.role}): token {tok_text(j)!r} "
-                                                       f"spans template text and message text; no exact label exists")
+        j = spans.straddler(r.start)
+        if j is not None:
+            raise straddle(r, j)
+        # the end edge of a to_eot region is not a label edge: the tokens after it are trained too. A
+        # token merging the text's end with template text of the same turn (Qwen's tools block after a
+        # system prompt: ".\n\n") has an exact label by the rule too: the turn is trained to its
+        # end-of-turn token, template text inside the turn included
+        end_straddler = None if r.to_eot else spans.straddler(r.end)
+        to_eot = r.to_eot or end_straddler is not None
         lo = spans.first_at_or_after(r.start)
         hi = max(lo, spans.ending_by(r.end))
         # tokens [lo, hi) lie inside the region (spans are monotonic for one encode)
@@ -174,7 +189,13 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
         # where the next message's text starts; none (the end of the text): a token the tokenizer adds
         # after the text (EOS) may end the turn
         limit = r.next_text_start if 0 <= r.next_text_start < len(text) else len(text) + 1
-        if r.to_eot:
+        if end_straddler is not None:
+            k = hi
+            while k < n and ids[k] not in special_ids and spans.span(k)[0] < limit:
+                k += 1
+            if k == n or ids[k] not in special_ids or spans.span(k)[0] >= limit:
+                raise straddle(r, end_straddler)  # no end-of-turn inside the turn: no exact label
+        if to_eot:
             # tool calls: everything up to the next special token, which must come before the next message
             k = hi
             while k < n and ids[k] not in special_ids and spans.span(k)[0] < limit:

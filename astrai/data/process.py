@@ -24,10 +24,12 @@ import numpy as np
 from astrai.config.pipeline import Pipeline, Section
 from astrai.data.errors import RecordError
 from astrai.data.mask import (
-    RenderedChat, TokenSpans, generation_prompt, label_tokens, message_of_tokens, render_with_regions,
+    RenderedChat, TokenSpans, label_tokens, message_of_tokens, prompt_probe, render_with_regions,
 )
 from astrai.data.template import ChatTemplate, resolve_template
 from astrai.data.tokenizer import Tokenizer, with_added_tokens
+from astrai.data.turns import answer_sources, empty_messages, end_answer, end_of_turn_id
+from astrai.data.values import check_message_unicode, check_unicode, check_value, type_name
 from astrai.schema import IGNORE_INDEX, value_column
 
 ITEM = "$item"
@@ -95,7 +97,9 @@ class Processor:
             self.template = resolve_template(pipeline.chat_template, self.tok, base_dir)
         self.special = dict(self.tok.special_tokens_map)
         self.kwargs = dict(pipeline.input.template_kwargs)
-        self.gen_prompt = generation_prompt(self.template, self.special, self.kwargs) if self.template else ""
+        self.gen_prompt, self.answer_lead, after_answer = (
+            prompt_probe(self.template, self.special, self.kwargs) if self.template else ("", "", ""))
+        self.end_of_turn_id = end_of_turn_id(self.tok, after_answer)
         # Roles outside `mask` are bad input (a typo such as 'asistant' must not train silently), unless
         # the pipeline sets mask_default explicitly: then that rule covers every other role.
         self.any_role = "mask_default" in pipeline.model_fields_set
@@ -106,6 +110,8 @@ class Processor:
             self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
         self.list_sources = {name for name, (_, list_field) in self.sources.items() if list_field is not None}
         self.prompt_groups = _shared_prompt_groups(self.sources)
+        # plain-text answers to a chat prompt (GRPO completions) end with the end-of-turn token (turns.py)
+        self.answer_sources = answer_sources(self.sources, self.end_of_turn_id)
 
     @cached_property
     def value_types(self) -> dict[str, tuple[str, bool]]:
@@ -133,6 +139,10 @@ class Processor:
                 prepared.append(self._prepare(rec))
             except RecordError as e:
                 prepared.append(e)
+                continue
+            except (RecursionError, _Drop) as e:  # nested too deeply for a template or a check; or filtered
+                prepared.append(e.args[0] if isinstance(e, _Drop) else
+                                RecordError("too_deep", "the record is nested too deeply to process"))
                 continue
             if isinstance(prepared[-1], Filtered):
                 continue
@@ -173,7 +183,7 @@ class Processor:
             else:
                 items = _field(rec, list_field)
                 if not isinstance(items, list) or not items:
-                    raise RecordError("wrong_type", f"must be a non-empty list, got {_type(items)}", key=list_field)
+                    raise RecordError("wrong_type", f"must be a non-empty list, got {type_name(items)}", key=list_field)
                 all_parts, item_vals = [], {}
                 for j, item in enumerate(items):
                     scope = item if isinstance(item, dict) else {ITEM: item}
@@ -208,17 +218,21 @@ class Processor:
         for s in sections:
             if s.action == "value":
                 fld = s.field if isinstance(s.field, str) else s.field[0]
-                values[value_column(source, fld)] = _value(_field(rec, fld), s.value_type, fld)
+                values[value_column(source, fld)] = check_value(_field(rec, fld), s.value_type, fld)
                 continue
             if s.template:
                 msgs, n_prompt = self._messages(rec, s)
                 trained = self._trained_flags(msgs, s)
                 trained[:n_prompt] = [False] * n_prompt
+                detail = empty_messages(msgs, trained, self.p.preprocessing.empty_message)  # masks them, or:
+                if detail:
+                    raise _Drop(Filtered("empty_message", detail))
                 # tools are optional per record: a missing or null field renders no tools
                 tools = rec.get(self.p.input.tools_field) if self.p.input.tools_field else None
                 chat = render_with_regions(self.template, msgs, trained, add_generation_prompt=s.add_generation_prompt,
                                            tools=tools, special_tokens=self.special, template_kwargs=self.kwargs,
-                                           gen_prompt=self.gen_prompt)
+                                           gen_prompt=self.gen_prompt, answer_lead=self.answer_lead)
+                check_unicode(chat.text, s.field if isinstance(s.field, str) else s.field[-1])
                 chars += sum(len(m.get("content") or "") for m in msgs)
                 parts.append(_Part(chat.text, bool(s.add_special_tokens), any(trained), chat,
                                    [str(m.get("role")) for m in msgs]))
@@ -226,7 +240,8 @@ class Processor:
             else:
                 text = _field(rec, s.field)
                 if not isinstance(text, str):
-                    raise RecordError("wrong_type", f"must be a string, got {_type(text)}", key=s.field)
+                    raise RecordError("wrong_type", f"must be a string, got {type_name(text)}", key=s.field)
+                check_unicode(text, s.field)
                 add_special = s.add_special_tokens if s.add_special_tokens is not None else first
                 first = False
                 chars += len(text)
@@ -249,11 +264,11 @@ class Processor:
             if isinstance(v, str):  # a bare string in a message list position: a user/assistant turn
                 raise RecordError("wrong_type", "must be a list of messages ({role, content}), got a string", key=f)
             if not isinstance(v, list):
-                raise RecordError("wrong_type", f"must be a list of messages, got {_type(v)}", key=f)
+                raise RecordError("wrong_type", f"must be a list of messages, got {type_name(v)}", key=f)
             for i, m in enumerate(v):
                 key = f"{f}[{i}]"
                 if not isinstance(m, dict):
-                    raise RecordError("wrong_type", f"a message must be an object, got {_type(m)}", key=key)
+                    raise RecordError("wrong_type", f"a message must be an object, got {type_name(m)}", key=key)
                 role = m.get("role")
                 if not isinstance(role, str):
                     raise RecordError("missing_field" if role is None else "wrong_type",
@@ -265,10 +280,11 @@ class Processor:
                 if content is None and not m.get("tool_calls"):
                     raise RecordError("missing_field", "a message needs 'content'", key=key + ".content")
                 if content is not None and not isinstance(content, str):
-                    raise RecordError("non_string_content", f"content must be a string, got {_type(content)}",
+                    raise RecordError("non_string_content", f"content must be a string, got {type_name(content)}",
                                       key=key + ".content")
+                check_message_unicode(m, key)  # precise keys; the render is checked as a whole too
                 if s.mask_key is not None and s.mask_key in m and not isinstance(m[s.mask_key], bool):
-                    raise RecordError("wrong_type", f"must be true or false, got {_type(m[s.mask_key])}",
+                    raise RecordError("wrong_type", f"must be true or false, got {type_name(m[s.mask_key])}",
                                       key=f"{key}.{s.mask_key}")
                 msgs.append(m)
         if not msgs:
@@ -290,7 +306,9 @@ class Processor:
 
     def _assemble(self, prep, encs) -> Union[RecordOutput, Filtered]:
         parts_by_source, values, domain, chars = prep
-        seqs = {name: [self._truncate(self._join(p, encs)) for p in parts]
+        eot, policy = self.end_of_turn_id, self.p.preprocessing.end_of_turn
+        seqs = {name: [self._truncate(end_answer(self._join(p, encs), eot, policy) if name in self.answer_sources
+                                      else self._join(p, encs)) for p in parts]
                 for name, parts in parts_by_source.items()}
         if self.has_labels:
             for name, group in seqs.items():
@@ -343,6 +361,10 @@ class Processor:
         return TokenSeq(seq.input_ids[keep], labels, seq.token_msg[keep], seq.roles, seq.truncated + cut)
 
 
+class _Drop(Exception):
+    """Raised while preparing a record that a filter drops; args[0] is its Filtered."""
+
+
 def _shared_prompt_groups(sources: dict) -> list[list[str]]:
     """Plain sources whose first section renders the same prompt fields before their own answer
     (a template section `field: [prompt, X]`), e.g. DPO's chosen and rejected, whatever their names:
@@ -376,21 +398,3 @@ def _field(rec: dict, name: str):
     if name not in rec:
         raise RecordError("missing_field", "field is missing", key=name)
     return rec[name]
-
-
-def _value(v, value_type: str, key: str):
-    """A value field checked against its declared type, so every record writes the same column type."""
-    def num(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    ok = {"float": num(v), "int": isinstance(v, int) and not isinstance(v, bool),
-          "float_list": isinstance(v, list) and all(num(x) for x in v),
-          "string": isinstance(v, str), "bool": isinstance(v, bool)}[value_type]
-    if not ok:
-        hint = " (declare value_type: float_list for a list of numbers)" if isinstance(v, list) else ""
-        raise RecordError("wrong_type", f"value_type {value_type}: got {_type(v)} {v!r:.40}{hint}", key=key)
-    return float(v) if value_type == "float" else v
-
-
-def _type(v) -> str:
-    return "null" if v is None else type(v).__name__

@@ -29,14 +29,17 @@ from typing import Iterator, Optional, Union
 from astrai.data.errors import InputError, RecordError
 from astrai.runtime import inside_output
 
-SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
+                ".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz",
+                ".jsonl.zst": "jsonl.zst", ".ndjson.zst": "jsonl.zst"}
+TOO_DEEP = "JSON nested too deeply to parse (over Python's recursion limit)"
 
 
 @dataclass(frozen=True)
 class Partition:
     index: int  # position in the global partition order (names intermediate files and shards)
     file: str
-    kind: str  # jsonl | json | parquet | arrow
+    kind: str  # jsonl | jsonl.gz | jsonl.zst | json | parquet | arrow
     start: int  # jsonl: byte offset; parquet: first row group; arrow/json: 0
     end: int  # jsonl: byte offset (exclusive); parquet: last row group (exclusive); else -1
     # how the first record is located in errors: jsonl: the 1-based line number of the byte at
@@ -49,11 +52,16 @@ class Partition:
 
 
 def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = None,
-                  exclude: Optional[Path] = None) -> list[Path]:
+                  exclude: Optional[Path] = None, warnings: Optional[list] = None) -> list[Path]:
     """Files for the given paths/globs, sorted within each pattern; HF dataset dirs stay whole, also
     inside a directory that is walked (their state.json/dataset_info.json are not records).
+
     Outputs are never inputs: nothing under `exclude` (the run's own output directory) is read, and
-    a glob or walked directory skips every directory that carries astrai's output marker."""
+    a glob or walked directory skips every directory that carries astrai's output marker.
+    What a person would want to know is appended to `warnings` (one line each): files of a walked
+    directory that are not inputs (README.md, .txt), a directory with no input file, an empty file.
+    Nothing to read at all is an error."""
+    warnings = [] if warnings is None else warnings
     out: list[Path] = []
     for pat in patterns:
         p = Path(pat).expanduser()
@@ -62,34 +70,46 @@ def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = No
         matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True)) if glob.has_magic(str(p)) else [p]
         if not matches or not matches[0].exists():
             raise InputError(f"input '{pat}': no such file or directory ({p})")
-        matches = [m for m in matches if not _is_output(m, exclude)]
+        matches = [m for m in matches if not inside_output(m, exclude)]
         if not matches:
             raise InputError(f"input '{pat}': only matches astrai's own output ({exclude}); outputs are never read "
                              f"as input")
         for m in matches:
             if m.is_dir() and not _is_hf_dir(m):
-                found = [f for f in _dir_inputs(pat, m) if not _is_output(f, exclude)]
+                skipped: list[Path] = []
+                found = [f for f in _dir_inputs(pat, m, skipped) if not inside_output(f, exclude)]
+                skipped = [f for f in skipped if not inside_output(f, exclude)]
+                if skipped:
+                    names = [str(f.relative_to(m)) for f in skipped]
+                    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+                    warnings.append(f"input '{pat}': skipped {len(names)} file(s) that are not "
+                                    f"{'/'.join(_INPUT_SUFFIXES)}: {', '.join(names[:10])}{more}")
                 if not found:
-                    raise InputError(f"input '{pat}': directory {m} holds no .jsonl/.json/.parquet files "
-                                     f"and is not a saved Hugging Face dataset")
+                    warnings.append(f"input '{pat}': directory {m} has no input files (.jsonl, .json, .parquet, "
+                                    f".jsonl.gz, .jsonl.zst or a saved Hugging Face dataset)")
                 out.extend(found)
             else:
+                if m.is_file() and m.stat().st_size == 0:
+                    warnings.append(f"input {m} is empty")
                 out.append(m)
+    if not out:
+        raise InputError(f"no input files in {', '.join(repr(p) for p in patterns)}: expected .jsonl, .json, "
+                         f".parquet, .jsonl.gz, .jsonl.zst files or a saved Hugging Face dataset")
     return out
 
 
-def _is_output(path: Path, exclude: Optional[Path]) -> bool:
-    """`path` lies in the run's own output, or in any directory astrai owns (its marker)."""
-    a = path.absolute()
-    if exclude is not None:
-        ex = Path(exclude).absolute()
-        if a == ex or ex in a.parents:
-            return True
-    return inside_output(a)
+_INPUT_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".jsonl.zst")
 
 
-def _dir_inputs(pat: str, d: Path) -> list[Path]:
-    """Data files and saved datasets under d, sorted (a path sorts before what lies under it)."""
+def _suffix(p: Path) -> str:
+    """'.jsonl.gz' for compressed inputs, else the last suffix (lower case)."""
+    two = "".join(p.suffixes[-2:]).lower()
+    return two if two in SUFFIX_KINDS else p.suffix.lower()
+
+
+def _dir_inputs(pat: str, d: Path, skipped: Optional[list] = None) -> list[Path]:
+    """Data files and saved datasets under d, sorted (a path sorts before what lies under it); other
+    files are appended to `skipped`."""
     _refuse_dataset_dict(pat, d)
     datasets: list[Path] = []
     files: list[Path] = []
@@ -100,8 +120,10 @@ def _dir_inputs(pat: str, d: Path) -> list[Path]:
             _refuse_dataset_dict(pat, f)
             if _is_hf_dir(f):
                 datasets.append(f)
-        elif f.suffix in SUFFIX_KINDS:
+        elif _suffix(f) in SUFFIX_KINDS:
             files.append(f)
+        elif skipped is not None:
+            skipped.append(f)
     return sorted(datasets + files)
 
 
@@ -121,10 +143,10 @@ def _is_hf_dir(p: Path) -> bool:
 def _kind(p: Path) -> str:
     if p.is_dir():
         return "arrow"
-    kind = SUFFIX_KINDS.get(p.suffix.lower())
+    kind = SUFFIX_KINDS.get(_suffix(p))
     if kind is None:
-        raise InputError(f"input {p}: unknown format '{p.suffix}' (expected .jsonl, .json, .parquet or a "
-                         f"save_to_disk directory)")
+        raise InputError(f"input {p}: unknown format '{p.suffix}' (expected .jsonl, .json, .parquet, .jsonl.gz, "
+                         f".jsonl.zst or a save_to_disk directory)")
     return kind
 
 
@@ -134,32 +156,48 @@ def plan_partitions(files: list[Path], partition_bytes: int, digests: Optional[d
     parts: list[Partition] = []
     for f in files:
         kind = _kind(f)
-        if kind == "jsonl":
-            h = hashlib.sha256() if digests is not None else None
-            for start, end, line in _jsonl_ranges(f, partition_bytes, h):
-                parts.append(Partition(len(parts), str(f), kind, start, end, line))
-            if h is not None:
-                digests[str(f)] = h.hexdigest()
-        elif kind == "parquet":
-            import pyarrow.parquet as pq
-
-            md = pq.ParquetFile(f).metadata
-            g0, size, row0, rows = 0, 0, 0, 0
-            for g in range(md.num_row_groups):
-                size += md.row_group(g).total_byte_size
-                rows += md.row_group(g).num_rows
-                if size >= partition_bytes or g == md.num_row_groups - 1:
-                    parts.append(Partition(len(parts), str(f), kind, g0, g + 1, row0))
-                    g0, size, row0 = g + 1, 0, rows
-            if md.num_row_groups == 0:
-                parts.append(Partition(len(parts), str(f), kind, 0, 0, 0))
-        elif kind == "arrow":
-            state = json.loads((f / "state.json").read_text())
-            for df in state.get("_data_files", []):
-                parts.append(Partition(len(parts), str(f / df["filename"]), kind, 0, -1, 0))
-        else:
-            parts.append(Partition(len(parts), str(f), kind, 0, -1, 1))
+        try:
+            _plan_file(f, kind, partition_bytes, digests, parts)
+        except InputError:
+            raise
+        except Exception as e:  # pyarrow and OS errors do not always name the file; this one does
+            raise _unreadable(f, e) from e
     return parts
+
+
+def _unreadable(f, e: Exception) -> InputError:
+    why = " ".join(str(e).split())  # pyarrow's messages span lines: one line for the person
+    return InputError(f"input {f}: cannot read it ({type(e).__name__}: {why}); is the file complete and in "
+                      f"the format its name says?")
+
+
+def _plan_file(f: Path, kind: str, partition_bytes: int, digests: Optional[dict], parts: list[Partition]):
+    """Append one file's partitions to parts."""
+    if kind == "jsonl":
+        h = hashlib.sha256() if digests is not None else None
+        for start, end, line in _jsonl_ranges(f, partition_bytes, h):
+            parts.append(Partition(len(parts), str(f), kind, start, end, line))
+        if h is not None:
+            digests[str(f)] = h.hexdigest()
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        md = pq.ParquetFile(f).metadata
+        g0, size, row0, rows = 0, 0, 0, 0
+        for g in range(md.num_row_groups):
+            size += md.row_group(g).total_byte_size
+            rows += md.row_group(g).num_rows
+            if size >= partition_bytes or g == md.num_row_groups - 1:
+                parts.append(Partition(len(parts), str(f), kind, g0, g + 1, row0))
+                g0, size, row0 = g + 1, 0, rows
+        if md.num_row_groups == 0:
+            parts.append(Partition(len(parts), str(f), kind, 0, 0, 0))
+    elif kind == "arrow":
+        state = json.loads((f / "state.json").read_text())
+        for df in state.get("_data_files", []):
+            parts.append(Partition(len(parts), str(f / df["filename"]), kind, 0, -1, 0))
+    else:  # json, and compressed JSONL: a stream has no byte offsets to split at
+        parts.append(Partition(len(parts), str(f), kind, 0, -1, 1))
 
 
 def _jsonl_ranges(f: Path, partition_bytes: int, hasher=None):
@@ -202,9 +240,19 @@ Item = tuple[Union[dict, RecordError], str]
 
 
 def read_partition(p: Partition, batch_size: int) -> Iterator[list[Item]]:
-    reader = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow}[p.kind]
+    reader = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow,
+              "jsonl.gz": _read_jsonl_stream, "jsonl.zst": _read_jsonl_stream}[p.kind]
     batch: list[Item] = []
-    for item in reader(p):
+    items = reader(p)
+    while True:
+        try:  # only the reader's own failures: the consumer's run outside this generator
+            item = next(items, None)
+        except InputError:
+            raise
+        except Exception as e:  # a corrupt page or a file that changed under us: name the file
+            raise _unreadable(p.file, e) from e
+        if item is None:
+            break
         batch.append(item)
         if len(batch) >= batch_size:
             yield batch
@@ -230,6 +278,30 @@ def _read_jsonl(p: Partition) -> Iterator[Item]:
             yield _parse_json_line(raw, where), where
 
 
+def _read_jsonl_stream(p: Partition) -> Iterator[Item]:
+    """Compressed JSONL, decompressed as a stream (never whole in memory), numbered like JSONL."""
+    with _open_stream(p) as fh:
+        for line_no, raw in enumerate(fh, p.first_where):
+            if raw.strip():  # blank lines are not records
+                yield _parse_json_line(raw, str(line_no)), str(line_no)
+
+
+def _open_stream(p: Partition):
+    import io
+
+    if p.kind == "jsonl.gz":
+        import gzip
+
+        return gzip.open(p.file, "rb")
+    try:
+        import zstandard
+    except ImportError:
+        raise InputError(f"input {p.file}: reading .zst needs the zstandard package (pip install zstandard, "
+                         f"or astrai[zstd])") from None
+    raw = open(p.file, "rb")
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+
+
 def _parse_json_line(raw: bytes, where: str):
     try:
         text = raw.decode("utf-8")
@@ -241,6 +313,8 @@ def _parse_json_line(raw: bytes, where: str):
         rec = json.loads(text)
     except json.JSONDecodeError as e:
         return RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+        return RecordError("too_deep", TOO_DEEP)
     if not isinstance(rec, dict):
         return RecordError("not_an_object", f"a record must be a JSON object, got {type(rec).__name__}")
     return rec
@@ -252,6 +326,9 @@ def _read_json(p: Partition) -> Iterator[Item]:
         data = json.loads(raw.decode("utf-8-sig"))  # -sig: a byte order mark is not content
     except UnicodeDecodeError as e:
         yield RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the file"), "1"
+        return
+    except RecursionError:
+        yield RecordError("too_deep", TOO_DEEP), "1"
         return
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":

@@ -57,7 +57,8 @@ def _split_for_sentinels(value: str) -> list[tuple[bool, str]]:
 
 
 def render_with_regions(template, messages: list[dict], trained: list[bool], *, add_generation_prompt=False,
-                        tools=None, special_tokens=None, template_kwargs=None, gen_prompt: str = "") -> RenderedChat:
+                        tools=None, special_tokens=None, template_kwargs=None, gen_prompt: str = "",
+                        answer_lead: str = "") -> RenderedChat:
     kwargs = dict(template_kwargs or {})
     try:
         text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
@@ -110,7 +111,8 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
                                              f"({type(e).__name__}: {e}); its output depends on message text") from None
 
     spans = _walk(text, skeleton, pieces)
-    regions = _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_prompt, with_content)
+    regions = _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_prompt, with_content,
+                       answer_lead)
     return RenderedChat(text, regions, [(s, e, i) for s, e, i, _ in spans])
 
 
@@ -168,7 +170,7 @@ def _mismatch(text, cursor, scaffold, msg) -> RecordError:
 
 
 def _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_prompt=False,
-             with_content=None) -> list[Region]:
+             with_content=None, answer_lead: str = "") -> list[Region]:
     by_msg: dict[int, list[tuple[int, int, int]]] = {}
     for s, e, i, k in spans:
         by_msg.setdefault(i, []).append((s, e, k))
@@ -193,13 +195,19 @@ def _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_p
                 end += len(cand)
                 break
         role = str(messages[i].get("role"))
-        if trained[i] and gen_prompt and role == "assistant":
+        if trained[i] and role == "assistant":
             # Train from the end of the assistant header: generated markup (e.g. "<think>\n") counts.
             # Only for assistant messages: the generation prompt is the assistant header, and for a
             # trained user message it could be the header of an empty assistant turn before it.
-            at = text.rfind(gen_prompt, prev_end, start)
+            at = text.rfind(gen_prompt, prev_end, start) if gen_prompt else -1
             if at >= 0:
                 start = at + len(gen_prompt)
+            elif answer_lead and start - len(answer_lead) >= prev_end and \
+                    text.startswith(answer_lead, start - len(answer_lead)):
+                # No generation prompt to find (Llama-2 style: the prompt ends at "[/INST]"): the prompt
+                # ends `answer_lead` before the text; the model generates the lead (" ") itself, merged
+                # into the answer's first token (" Creating"), so the lead is trained too.
+                start -= len(answer_lead)
         calls = messages[i].get("tool_calls")
         # Output the template renders after the last text span runs to the end-of-turn token: tool calls,
         # and, when the content left no text (empty, or think tags only) but the reasoning did, the
@@ -207,12 +215,13 @@ def _regions(text, spans, messages, trained, gen_prompt, edges, add_generation_p
         to_eot = bool(calls) or (with_content is not None and i not in with_content)
         regions.append(Region(start, end, i, role, trained[i], to_eot, limit, _strings(calls)))
         prev_end = end
-    regions += _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt)
+    regions += _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt, answer_lead)
     regions.sort(key=lambda r: r.start)
     return regions
 
 
-def _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt=False) -> list[Region]:
+def _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generation_prompt=False,
+                      answer_lead: str = "") -> list[Region]:
     """Regions for trained messages that emitted no text (empty content, tool calls only).
 
     Consecutive messages without text form a gap between two messages with text. Each assistant
@@ -234,11 +243,47 @@ def _textless_regions(text, by_msg, messages, trained, gen_prompt, add_generatio
         j = i
         while j < n and j not in by_msg:
             j += 1
-        if any(trained[k] for k in range(i, j)):
-            out += _anchor_gap(text, range(i, j), cursor, by_msg[j][0][0] if j < n else len(text),
-                               messages, trained, gen_prompt,
+        limit = by_msg[j][0][0] if j < n else len(text)
+        if any(trained[k] for k in range(i, j)) and not gen_prompt and _literal_gap(range(i, j), messages, trained):
+            out += _locate_literals(text, range(i, j), cursor, limit, messages, trained, answer_lead)
+        elif any(trained[k] for k in range(i, j)):
+            out += _anchor_gap(text, range(i, j), cursor, limit, messages, trained, gen_prompt,
                                messages[j].get("role") == "assistant" if j < n else add_generation_prompt)
         i = j
+    return out
+
+
+def _literal_gap(gap, messages, trained) -> bool:
+    """Every trained message of the gap is an assistant whose content is only think tags (literal text,
+    no sentinel) and has no tool calls: its output is that literal text, found where it is rendered."""
+    return all(messages[k].get("role") == "assistant" and isinstance(messages[k].get("content"), str)
+               and messages[k]["content"].strip() and not messages[k].get("tool_calls")
+               for k in gap if trained[k])
+
+
+def _locate_literals(text, gap, cursor, limit, messages, trained, answer_lead) -> list[Region]:
+    """Templates without a generation prompt give no header to anchor at (Mistral, Llama-2): a trained
+    answer made only of think tags is located by its own text, which must occur exactly once between
+    the messages around the gap (else which occurrence is whose is unknown: rejected)."""
+    out = []
+    for k in gap:
+        if not trained[k]:
+            continue
+        content = messages[k]["content"]
+        for cand in _candidates(content):
+            at = text.find(cand, cursor, limit) if cand else -1
+            if at >= 0:
+                break
+        if at < 0 or text.find(cand, at + 1, limit) >= 0:
+            raise RecordError("span_unverified", f"message {k} (assistant) holds only think tags and the template "
+                                                 f"has no generation prompt; its text is not found exactly once "
+                                                 f"where it is rendered, so its output cannot be located")
+        start = at
+        lead_at = start - len(answer_lead)
+        if answer_lead and lead_at >= cursor and text.startswith(answer_lead, lead_at):
+            start = lead_at
+        out.append(Region(start, at + len(cand), k, "assistant", True, False, limit))
+        cursor = at + len(cand)
     return out
 
 
@@ -285,12 +330,29 @@ def _strings(value) -> tuple:
     return ()
 
 
-def generation_prompt(template, special_tokens=None, template_kwargs=None) -> str:
-    """The text add_generation_prompt appends (e.g. '<|im_start|>assistant\\n'); '' if none or unknown."""
+def prompt_probe(template, special_tokens=None, template_kwargs=None) -> tuple[str, str, str]:
+    """(generation prompt, answer lead, after answer) of a template, from three renders of a probe.
+
+    The generation prompt is the text add_generation_prompt appends (e.g. '<|im_start|>assistant\\n');
+    '' if none or unknown. The answer lead is whitespace the template writes between the end of that
+    prompt and an assistant answer: ' ' for Llama-2 style templates ('[/INST]' + ' ' + answer), ''
+    for most. Only whitespace counts as a lead: anything else there would be a role header, which
+    is never trained; and '' whenever the prompt is not a prefix of the conversation with the answer.
+    After answer: what the template writes after an answer (its end-of-turn, e.g. '<|im_end|>\\n').
+    """
     probe = [{"role": "user", "content": "x"}]
+    marker = _sentinel(0)
+    kwargs = template_kwargs or {}
     try:
-        a = template.render(probe, add_generation_prompt=False, special_tokens=special_tokens, **(template_kwargs or {}))
-        b = template.render(probe, add_generation_prompt=True, special_tokens=special_tokens, **(template_kwargs or {}))
+        a = template.render(probe, add_generation_prompt=False, special_tokens=special_tokens, **kwargs)
+        b = template.render(probe, add_generation_prompt=True, special_tokens=special_tokens, **kwargs)
+        turn = template.render(probe + [{"role": "assistant", "content": marker}], add_generation_prompt=False,
+                               special_tokens=special_tokens, **kwargs)
     except Exception:
-        return ""
-    return b[len(a):] if b.startswith(a) else ""
+        return "", "", ""
+    gen_prompt = b[len(a):] if b.startswith(a) else ""
+    lead = ""
+    if turn.startswith(b) and marker in turn[len(b):]:
+        lead = turn[len(b):turn.index(marker, len(b))]
+    after = turn[turn.index(marker) + len(marker):] if marker in turn else ""
+    return gen_prompt, lead if not lead.strip() else "", after

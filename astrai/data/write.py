@@ -1,6 +1,7 @@
 """Parquet shards, atomically: written under a temporary name and renamed when complete.
 
-Row schema (DESIGN.md): input_ids, labels (omitted for plain pretraining), position_ids (unless
+Row schema (DESIGN.md): input_ids, labels (omitted only for unpacked plain pretraining; packed rows
+always carry them, IGNORE_INDEX at each document's first position), position_ids (unless
 position_ids_mode none), seq_lens — all list<int32>, one row per bin (or per document unpacked).
 Multi-output rows carry `{source}_input_ids` / `{source}_labels` (list<int32>, or
 list<list<int32>> for list sources) and value columns (numbers as float32, never truncated to
@@ -11,6 +12,7 @@ Output is deterministic: the same rows give the same bytes (no timestamps in the
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -20,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from astrai.runtime import tmp_name
-from astrai.schema import INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS, arrow_value_type
+from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS, arrow_value_type
 
 I32 = pa.list_(pa.int32())
 
@@ -42,18 +44,29 @@ def concat(arrays) -> np.ndarray:
 
 
 def rows_columns(ids: list, labels: Optional[list], seq_lens: np.ndarray, row_offsets: np.ndarray,
-                 position_mode: str, with_seq_lens: bool = True) -> dict:
+                 position_mode: str, with_seq_lens: bool = True, packed: bool = False) -> dict:
     """The token columns of rows made of documents (or document pieces), in order.
 
     ids/labels: each document's token arrays; seq_lens: their lengths; row_offsets (n_rows + 1):
     row r holds documents row_offsets[r]:row_offsets[r+1]. Both the streaming writer and the packed
     shard writer build their rows here, so the two layouts cannot drift apart.
+
+    packed: the rows are packed bins, read by trainers that know nothing of seq_lens. Labels are
+    then always written (ids where there are none), with IGNORE_INDEX at each document's (piece's)
+    first position, as transformers' DataCollatorWithFlattening does: labels are shifted inside
+    the model, so that position would otherwise teach the previous document's last token to
+    predict this one's first.
     """
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     ends = np.concatenate([[0], np.cumsum(seq_lens)])
     row_lens = ends[row_offsets[1:]] - ends[row_offsets[:-1]]
-    cols = {INPUT_IDS: list_array(concat(ids), row_lens)}
-    if labels is not None:
+    flat_ids = concat(ids)
+    cols = {INPUT_IDS: list_array(flat_ids, row_lens)}
+    if packed:
+        flat_labels = concat(labels) if labels is not None else flat_ids.copy()
+        flat_labels[ends[:-1][seq_lens > 0]] = IGNORE_INDEX
+        cols[LABELS] = list_array(flat_labels, row_lens)
+    elif labels is not None:
         cols[LABELS] = list_array(concat(labels), row_lens)
     if position_mode == "doc_reset":  # restarts per document, whatever the rows
         cols[POSITION_IDS] = list_array(positions(seq_lens, "doc_reset"), row_lens)
@@ -116,3 +129,21 @@ class ShardWriter:
             self._writer.close()
             self._writer = None
         self.tmp.unlink(missing_ok=True)
+
+
+def json_line(obj: dict) -> str:
+    """One JSONL line (with its newline) for rejects.jsonl that never fails to write: text stays
+    readable (ensure_ascii off) unless it holds lone surrogates, which only \\u escapes can carry in
+    UTF-8; a record too deeply nested to serialize is left out, with a note saying so."""
+    try:
+        line = json.dumps(obj, ensure_ascii=False, default=str)
+    except (RecursionError, ValueError):
+        obj = {k: v for k, v in obj.items() if k != "record"}
+        obj["record_omitted"] = "the record is nested too deeply to write back"
+        line = json.dumps(obj, ensure_ascii=False, default=str)
+    if not line.isascii():
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            line = json.dumps(obj, ensure_ascii=True, default=str)
+    return line + "\n"

@@ -77,7 +77,8 @@ def make(toks):
         data = {"version": 1, "chat_template": family,
                 "input": {"sections": [section or {"field": "messages", "action": "$role", "template": True}],
                           "tools_field": "tools", "template_kwargs": kwargs or {}},
-                "preprocessing": {"end_of_turn": eot}}
+                # empty answers test the masking itself: the policy that keeps them (B8 filters by default)
+                "preprocessing": {"end_of_turn": eot, "empty_message": "train"}}
         if mask is not None:
             data["mask"] = mask
         if mask_default is not None:
@@ -954,7 +955,7 @@ def test_work_is_linear_in_turns(toks, family):
                                                                 "template": True}]}})
     pr = Processor(pipeline, toks[family], template=template)
     pr.tok = dataclasses.replace(pr.tok, tok=CountingTokenizer(pr.tok.tok))
-    setup = template.renders  # the generation-prompt probe at construction: a constant
+    setup = template.renders  # the prompt probe at construction: a constant
     calls = {}
     for turns in (100, 400):
         before = template.renders
@@ -962,7 +963,7 @@ def test_work_is_linear_in_turns(toks, family):
         assert isinstance(r, RecordOutput)
         assert template.renders - before == 2  # the conversation and its skeleton, whatever its length
         assert r.seq().trained > 4 * turns
-    assert setup <= 2
+    assert setup <= 3  # the probe for the generation prompt and the answer lead: three renders
     assert pr.tok.tok.batches == 2 and pr.tok.tok.texts == 2  # one encode per record
     # 4x the turns: about 4x the Python calls (quadratic would be 16x)
     assert calls[400] < 5 * calls[100], calls

@@ -264,7 +264,8 @@ def test_grpo_groups(chat_tok):
            "rewards": [0.8, 1.0, 0.1]}
     r = pr.process_one(rec)
     assert isinstance(r, RecordOutput)
-    assert [c.input_ids.tolist() for c in r.seqs["completion"]] == [enc(chat_tok, c) for c in rec["completions"]]
+    eot = pr.tok.tok.token_to_id("<|im_end|>")  # a completion ends with the template's end-of-turn (B8)
+    assert [c.input_ids.tolist() for c in r.seqs["completion"]] == [enc(chat_tok, c) + [eot] for c in rec["completions"]]
     assert all(c.labels.tolist() == c.input_ids.tolist() for c in r.seqs["completion"])
     assert (r.seq("prompt").labels == IGNORE).all()
     assert r.values["rewards"] == [0.8, 1.0, 0.1] and all(isinstance(x, float) for x in r.values["rewards"])
@@ -281,7 +282,8 @@ def test_grpo_items_with_rewards(base_tok):
     assert isinstance(r, RecordOutput)
     assert r.values["rewards"] == [0.8, 0.1, 1]
     assert r.values["rewards"][0] == 0.8  # never rounded to an integer
-    assert [c.input_ids.tolist() for c in r.seqs["completion"]] == [enc(pr.tok, t) for t in "ABC"]
+    eot = pr.tok.tok.token_to_id("<|im_end|>")
+    assert [c.input_ids.tolist() for c in r.seqs["completion"]] == [enc(pr.tok, t) + [eot] for t in "ABC"]
     bad = {"prompt": rec["prompt"], "completions": [{"text": "A", "reward": 0.5}, {"text": "B"}]}
     err(pr.process_one(bad), "missing_field", "completions[1].reward")
     bad = {"prompt": rec["prompt"], "completions": [{"text": "A", "reward": {"x": 1}}]}

@@ -20,7 +20,7 @@ import numpy as np
 
 from astrai.data.errors import InputError
 from astrai.data.inspect.tokens import TokenText
-from astrai.data.inspect.views import Entry, Report
+from astrai.data.inspect.views import Entry, Report, shortest_floats
 from astrai.schema import (
     IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS, TOKEN_COLUMNS, is_source_token_column, source_column,
     source_of_column,
@@ -99,7 +99,7 @@ def _bin_entry(row: dict, index: int, where: str, pipe: dict, tt: TokenText) -> 
     docs = np.repeat(np.arange(len(seq_lens)), seq_lens)
     docs = docs if len(docs) == len(ids) else np.zeros(len(ids), np.int64)  # inconsistent row: warned below
     e.seqs.append(tt.view(ids, trained, pos, docs, is_bin=True))
-    e.values = {k: v for k, v in row.items() if k not in TOKEN_COLUMNS}
+    e.values = shortest_floats({k: v for k, v in row.items() if k not in TOKEN_COLUMNS})
     mode = (pipe.get("output") or {}).get("position_ids_mode", "doc_reset")
     if sum(seq_lens) != len(ids):
         e.notes.append(f"warning: seq_lens sum to {sum(seq_lens)} but the row has {len(ids)} tokens")
@@ -117,7 +117,12 @@ def _row_entry(row: dict, index: int, where: str, pipe: dict, tt: TokenText) -> 
     secs = (pipe.get("input") or {}).get("sources") or {}
     # the writer's rule: no labels column = all trained for plain text, all masked for a prompt-only source
     has_labels = any(s.get("template") or s.get("action") == "mask" for src in secs.values() for s in src["sections"])
-    for name in sorted(filter(None, map(source_of_column, row))):
+
+    def is_answer(name):
+        return any(s.get("action") in ("train", "$role") for s in (secs.get(name) or {}).get("sections", []))
+
+    # context before answers (a GRPO prompt before its completions); the manifest's pipeline has sorted keys
+    for name in sorted(set(filter(None, map(source_of_column, row))), key=lambda n: (is_answer(n), n)):
         sections = (secs.get(name) or {}).get("sections", [])
         if sections and all(s.get("action") == "value" for s in sections):
             continue  # a value-only source (rewards): its values are shown with the row
@@ -129,7 +134,7 @@ def _row_entry(row: dict, index: int, where: str, pipe: dict, tt: TokenText) -> 
             trained = np.asarray(lab) != IGNORE_INDEX if lab is not None else np.full(len(one), trains)
             e.seqs.append(tt.view(one, trained, None, np.zeros(len(one), np.int64), source=name,
                                   item=j if nested else None))
-    e.values = {k: v for k, v in row.items() if not is_source_token_column(k)}
+    e.values = shortest_floats({k: v for k, v in row.items() if not is_source_token_column(k)})
     return e
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from astrai.data.errors import InputError, RecordError
 from astrai.data.inspect.tokens import TokenText
-from astrai.data.inspect.views import Entry, Report
+from astrai.data.inspect.views import Entry, Report, shortest_floats
 from astrai.data.stats import Tally, record_stats
 from astrai.schema import IGNORE_INDEX
 
@@ -179,7 +179,7 @@ def _fill_doc(e: Entry, doc, proc, pipeline, tt: TokenText):
             pos = None if mode == "none" else np.arange(n, dtype=np.int64)
             e.seqs.append(tt.view(s.input_ids, trained, pos, np.zeros(n, np.int64), msg=np.asarray(s.token_msg),
                                   roles=list(s.roles), truncated=int(s.truncated), source=name, item=item))
-    e.values = dict(doc.values)
+    e.values = shortest_floats(doc.values)  # as the float32 column will hold them
     pp, packed = pipeline.preprocessing, pipeline.bin_capacity
     n = len(e.seqs[0].ids) if e.seqs else 0
     if not multi and packed and pp.packing_strategy != "none" and n > packed:

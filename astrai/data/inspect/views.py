@@ -19,6 +19,19 @@ import numpy as np
 
 
 
+def shortest_floats(values: dict) -> dict:
+    """Value columns as shown: floats as the float32 a shard holds, in the shortest form that reads
+    back as that float32 (a reward of 0.8 shows as 0.8, not 0.800000011920929); other values as they are."""
+    def one(v):
+        if isinstance(v, float):
+            return float(str(np.float32(v)))
+        if isinstance(v, list):
+            return [one(x) for x in v]
+        return v
+
+    return {k: one(v) for k, v in values.items()}
+
+
 @dataclass
 class SeqView:
     """One token sequence as it will be trained: a document (records) or a whole bin (datasets)."""

@@ -35,10 +35,15 @@ class ShardTask:
     piece_len: np.ndarray
     bin_offsets: np.ndarray  # bin b holds pieces bin_offsets[b]:bin_offsets[b+1]
 
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem  # packed-KKKKK
+
 
 def pack_globally(job: Job, parts: list[Partition], workers: int, worker: Worker,
-                  log: Callable[[str], None]) -> dict:
-    """Plan the bins, write the missing shards; return the packing figures for stats.json."""
+                  log: Callable[[str], None], run: Callable = run_tasks) -> dict:
+    """Plan the bins (here), write the missing shards (tasks, through `run`: astrai.runtime.run_tasks
+    or the Ray executor's); return the packing figures for stats.json."""
     lengths = [np.load(job.work / f"{p.name}.lengths.npy") for p in parts]
     doc_part = np.concatenate([np.full(len(l), i, dtype=np.int32) for i, l in enumerate(lengths)]) if lengths else \
         np.zeros(0, np.int32)
@@ -58,8 +63,8 @@ def pack_globally(job: Job, parts: list[Partition], workers: int, worker: Worker
         docs = plan.piece_doc[p0:p1]
         tasks.append(ShardTask(str(path), [p.name for p in parts], doc_part[docs], doc_row[docs],
                                plan.piece_start[p0:p1], plan.piece_len[p0:p1], plan.bin_offsets[b0:b1 + 1] - p0))
-    run_tasks(write_packed_shard, tasks, workers=workers, setup=partial(Worker.build, job), context=worker,
-              what="shards", log=log)
+    run(write_packed_shard, tasks, workers=workers, setup=partial(Worker.build, job), context=worker,
+        what="shards", log=log)
     n_bins = plan.n_bins
     return {"bins": n_bins, "pack_truncated_tokens": int(plan.truncated_tokens),
             "pack_truncated_docs": int(plan.truncated_docs),
@@ -104,7 +109,7 @@ def write_packed_shard(worker: Worker, task: ShardTask):
         if has_labels:
             lab_out.append(_list_slice(t.column(LABELS), row, s, n))
     cols = rows_columns(ids_out, lab_out if has_labels else None, task.piece_len, task.bin_offsets,
-                        o.position_ids_mode)
+                        o.position_ids_mode, packed=True)
     w = ShardWriter(Path(task.path), o.row_group_rows)
     try:
         w.write(pa.table(cols))

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,7 +40,17 @@ FORMAT_VERSION = 1
 
 def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str] = None,
                    workers: Optional[int] = None, base_dir: Optional[str] = None,
-                   log: Callable[[str], None] = print) -> dict:
+                   log: Callable[[str], None] = print, executor: str = "local",
+                   ray_address: Optional[str] = None) -> dict:
+    """executor "local": a process pool of `workers`; "ray": the same tasks on the Ray cluster at
+    `ray_address` (astrai.runtime_ray), byte-identical output. Options: astrai.config.stages.PreprocessOptions.
+    The output directory is locked for the whole run (astrai.runtime.output_lock): one writer at a time."""
+    if executor == "ray":
+        from astrai.runtime_ray import import_ray
+
+        import_ray()  # without the extra, say so before any work
+    elif executor != "local":
+        raise InputError(f"executor '{executor}': use local or ray")
     if workers is not None and workers < 1:
         raise InputError(f"--workers {workers}: give 1 or more worker processes (or leave it out: one per core)")
     try:
@@ -49,14 +60,15 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
         raise InputError(str(e)) from None
     except OSError as e:
         raise InputError(f"output {out}: {e.strerror or e}; choose another -o") from None
-    try:  # one writer per output for the whole run; the lock goes with this process on any exit
-        return _run_locked(pipeline, inputs, out, tokenizer, workers, base_dir, log)
+    try:  # the lock goes with this process on any exit
+        return _run_locked(pipeline, inputs, out, tokenizer, workers, base_dir, log, executor, ray_address)
     finally:
         lock.__exit__(None, None, None)
 
 
 def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str], workers: Optional[int],
-                base_dir: Optional[str], log: Callable[[str], None]) -> dict:
+                base_dir: Optional[str], log: Callable[[str], None], executor: str,
+                ray_address: Optional[str]) -> dict:
     base_dir = str(base_dir or os.getcwd())
     tok_spec = tokenizer or pipeline.tokenizer
     if not tok_spec:
@@ -64,8 +76,16 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     tok = load_tokenizer(tok_spec, base_dir)
     template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
     outp = Path(out)
-    # relative to the working directory (recipes join their own base); never our own output
-    files = expand_inputs(inputs, exclude=outp)
+    warnings: list[str] = []  # skipped or empty inputs, ignored settings: said, not ignored
+    pp = pipeline.preprocessing
+    if pp.max_packed_len is not None and pp.packing_strategy == "none":
+        # a warning, not an error: `--set preprocessing.packing_strategy=none` on a packing pipeline is common
+        warnings.append(f"preprocessing.max_packed_len ({pp.max_packed_len}) is ignored with packing_strategy: none "
+                        f"(one document per row); set a packing_strategy to pack")
+    # relative to the working directory (recipes join their base); never our own output
+    files = expand_inputs(inputs, exclude=outp, warnings=warnings)
+    for w in warnings:
+        log(f"warning: {w}")
     identity = file_identity(files)  # before the digests: a change after it is seen at the end
     digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
     parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
@@ -78,24 +98,25 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     job = Job(pipeline, str(tok.path), base_dir, str(outp))
     workers = max(1, workers or os.cpu_count() or 1)
     # built once here (no encoding yet) from the tokenizer and template already loaded; forked
-    # workers inherit it, spawned ones build their own from the job
+    # workers inherit it, spawned ones (and Ray workers) build their own from the job
     worker = Worker(job, Processor(pipeline, tok, base_dir, template))
     # before any work (and before an old output is replaced): a missing marker token rejects every record
     check_template_markers(worker.processor)
     prepare_output_dir(outp, fp, log)
-
-    todo = [p for p in parts if not is_done(job.marker(p.name))]
-    if len(todo) < len(parts):
-        log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done")
-    if pipeline.preprocessing.max_items is not None:
-        _tokenize_in_order(worker, parts)
-    else:
-        run_tasks(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
-                  setup=partial(Worker.build, job), context=worker, what="partitions", log=log)
-
-    _check_unchanged(outp, files, identity)
-    summaries = [read_marker(job.marker(p.name)) for p in parts]
-    packing = pack_globally(job, parts, workers, worker, log) if job.global_pack else None
+    with _task_runner(executor, ray_address, log) as (run, cluster):
+        if cluster is not None:
+            cluster.check_nodes(_needed_paths(files, job, template), outp)
+        todo = [p for p in parts if not is_done(job.marker(p.name))]
+        if len(todo) < len(parts):
+            log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done")
+        if pipeline.preprocessing.max_items is not None:
+            _tokenize_in_order(worker, parts, run)
+        else:
+            run(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
+                setup=partial(Worker.build, job), context=worker, what="partitions", log=log)
+        _check_unchanged(outp, files, identity)
+        summaries = [read_marker(job.marker(p.name)) for p in parts]
+        packing = pack_globally(job, parts, workers, worker, log, run) if job.global_pack else None
     stats = dataset_stats(pipeline, summaries, packing)
     shards = sorted(str(p.relative_to(outp)) for p in _our_shards(outp))
     _merge_rejects(outp, parts)
@@ -208,14 +229,37 @@ def _check_unchanged(outp: Path, files: list[Path], identity: dict):
                          + " changed while it was being read; nothing was marked done: rerun once it is complete")
 
 
-def _tokenize_in_order(worker: Worker, parts: list[Partition]):
+@contextmanager
+def _task_runner(executor: str, ray_address: Optional[str], log: Callable[[str], None]):
+    """(run_tasks, cluster): the local pool's astrai.runtime.run_tasks, or a Ray executor's method of
+    the same signature (and the executor, for its node check), connected for the run's duration."""
+    if executor == "local":
+        yield run_tasks, None
+        return
+    from astrai.runtime_ray import RayExecutor
+
+    with RayExecutor(ray_address, log) as cluster:
+        yield cluster.run_tasks, cluster
+
+
+def _needed_paths(files: list[Path], job: Job, template) -> list[tuple[str, str]]:
+    """What every Ray node must see besides the output: inputs, the tokenizer, a template file."""
+    needed = [("input", str(f)) for f in files] + [("tokenizer", job.tokenizer)]
+    if template is not None and Path(template.name).is_file():
+        needed.append(("chat template", template.name))
+    return needed
+
+
+def _tokenize_in_order(worker: Worker, parts: list[Partition], run=run_tasks):
     """max_items counts records in input order, so a partition's limit needs the counts of the
-    earlier ones: partitions run one after another, here."""
-    budget = worker.job.pipeline.preprocessing.max_items
+    earlier ones: partitions run one after another (here, or one Ray task at a time)."""
+    job = worker.job
+    budget = job.pipeline.preprocessing.max_items
     for p in parts:
-        marker = worker.job.marker(p.name)
+        marker = job.marker(p.name)
         if not is_done(marker):
-            tokenize_partition(worker, PartitionTask(p, limit=budget))
+            run(tokenize_partition, [PartitionTask(p, limit=budget)], workers=1, setup=partial(Worker.build, job),
+                context=worker, what="partitions", log=lambda s: None)
         # a partition that read nothing (budget already spent, or only blank lines) has no "read" count
         budget = max(budget - read_marker(marker).get("read", 0), 0)
 

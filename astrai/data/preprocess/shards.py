@@ -126,7 +126,8 @@ def bins_table(rows: list, job: Job, proc: Processor):
     row_offsets = np.concatenate([[0], np.cumsum([len(b) for b, _ in rows])]).astype(np.int64)
     cols = rows_columns([s.input_ids for s in seqs], [s.labels for s in seqs] if proc.has_labels else None,
                         np.array([len(s) for s in seqs], dtype=np.int64), row_offsets,
-                        job.pipeline.output.position_ids_mode)
+                        job.pipeline.output.position_ids_mode,
+                        packed=job.pipeline.preprocessing.packing_strategy != "none")
     for key in sorted({k for _, vals in rows for k in vals}):
         cols[key] = value_array([vals.get(key) for _, vals in rows], *proc.value_types[key])
     return pa.table(cols)

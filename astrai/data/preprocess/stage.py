@@ -17,5 +17,6 @@ def run(options: PreprocessOptions, ctx: StageContext) -> str:
     out = ctx.path(options.output)
     run_preprocess(pipeline, [ctx.path(i) for i in options.inputs], out,
                    tokenizer=ctx.tokenizer(options.tokenizer) if options.tokenizer else None, workers=options.workers,
-                   base_dir=str(pipe_path.parent), log=ctx.log)
+                   base_dir=str(pipe_path.parent), log=ctx.log, executor=options.executor,
+                   ray_address=options.ray_address)
     return out

@@ -8,7 +8,6 @@ The partition's statistics are written last, as its completion marker.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,6 +17,7 @@ from astrai.data.preprocess.shards import IntermediateSink, ShardSink
 from astrai.data.process import Filtered
 from astrai.data.read import Partition, read_partition
 from astrai.data.stats import Tally
+from astrai.data.write import json_line
 from astrai.runtime import atomic_write_text, mark_done
 
 
@@ -25,6 +25,10 @@ from astrai.runtime import atomic_write_text, mark_done
 class PartitionTask:
     part: Partition
     limit: Optional[int] = None  # read at most this many records (what is left of max_items)
+
+    @property
+    def name(self) -> str:
+        return self.part.name  # pPPPPP
 
 
 def tokenize_partition(worker: Worker, task: PartitionTask):
@@ -61,5 +65,5 @@ def tokenize_partition(worker: Worker, task: PartitionTask):
         raise
     if rejects:
         atomic_write_text(job.work / f"{part.name}.rejects.jsonl",
-                          "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rejects))
+                          "".join(json_line(r) for r in rejects))
     mark_done(job.marker(part.name), tally.summary(**extra))

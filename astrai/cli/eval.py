@@ -1,0 +1,10 @@
+"""`astrai eval`: the verb of the eval stage; options, flags and behaviour live in astrai.infer.eval."""
+
+from __future__ import annotations
+
+from astrai.config.stages import STAGES
+from astrai.infer.eval import add_arguments, run  # noqa: F401  (the verb protocol: add_arguments, run)
+
+
+def help_for(verb: str) -> str:
+    return STAGES[verb].help

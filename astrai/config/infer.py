@@ -1,0 +1,103 @@
+"""Options of the generation side (astrai.infer): sampling, engine, and the generate and eval stages.
+
+Declared here, in the config layer, like every stage's options (astrai.config.stages): a recipe
+with `eval:` or `generate:` is validated without importing torch or the engine, and the CLI flags
+of `astrai generate` / `astrai eval` are read off these same models (astrai.infer.flags).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingParams(BaseModel):
+    """How to pick each next token and when to stop (vLLM's names and meanings where they exist)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(16, ge=1, description="most tokens to generate")
+    temperature: float = Field(1.0, ge=0.0, description="softmax temperature; 0 = greedy (argmax)")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = all")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="keep the smallest set with this total probability")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p * the top probability")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="> 1 discourages tokens already in prompt or output")
+    seed: Optional[int] = Field(None, description="per-request seed: same seed, same output, whatever the batch")
+    stop: list[str] = Field(default_factory=list, description="stop strings (not included in the text)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="stop when one of these ids is sampled")
+    ignore_eos: bool = Field(False, description="keep going past the tokenizer's end-of-sequence token")
+    logprobs: Optional[int] = Field(None, ge=0, description="return the chosen token's logprob and this many top ones")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @model_validator(mode="after")
+    def _no_empty_stop(self):
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+
+class EngineOptions(BaseModel):
+    """Memory and batching of the engine (sampling is per request: SamplingParams)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    page_size: int = Field(16, ge=1, description="tokens per KV page (the unit of prefix sharing)")
+    kv_cache_tokens: int = Field(65536, ge=1, description="token slots in the KV pool (rounded up to pages)")
+    max_running: int = Field(64, ge=1, description="most requests decoding together")
+    max_step_tokens: int = Field(2048, ge=1, description="most tokens per forward (longer prompts are chunked)")
+    prefix_cache: bool = Field(True, description="share K/V of common prompt prefixes (radix cache)")
+    device: str = Field("auto", description="auto (cuda when available, else cpu) | cpu | cuda | cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on cpu, the checkpoint's dtype on a GPU")
+    chat_template: Optional[str] = Field(None, description="bundled name or .jinja path; default: the tokenizer's")
+
+
+CLI_MAX_TOKENS = 256
+
+
+class GenerateOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(description="checkpoint directory: config.json, safetensors, tokenizer files")
+    prompt: Optional[str] = Field(None, description="raw text to continue")
+    chat: Optional[str] = Field(None, description="JSONL file of conversations to answer")
+    input: Optional[str] = Field(None, description="JSONL file of {prompt | messages [, sampling]} records")
+    output: Optional[str] = Field(None, description="write JSONL results here (default: stdout)")
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=CLI_MAX_TOKENS))
+    engine: EngineOptions = Field(default_factory=EngineOptions)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cli_max_tokens(cls, data):
+        # the command line's default length is longer than the library's (16, vLLM's)
+        if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
+            data["sampling"].setdefault("max_tokens", CLI_MAX_TOKENS)
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [k for k in ("prompt", "chat", "input") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of --prompt, --chat, --input (got {', '.join(given) or 'none'})")
+        return self
+
+
+class EvalOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: Optional[str] = Field(None, description="checkpoint directory (config.json, safetensors, tokenizer "
+                                      "files); in a recipe, default: what the train stage wrote")
+    data: Optional[str] = Field(None, description="preprocessed held-out directory (manifest.json, data/*.parquet); "
+                                "in a recipe, default: what the preprocess stage wrote")
+    output: Optional[str] = Field(None, description="where eval.json goes; default: CHECKPOINT/eval.json")
+    max_rows: Optional[int] = Field(None, ge=1, description="evaluate at most this many rows")
+    batch_tokens: int = Field(8192, ge=1, description="tokens per perplexity forward (whole rows)")
+    samples: int = Field(4, ge=0, description="sample generations for held-out prompts")
+    sample_max_tokens: int = Field(64, ge=1, description="most tokens per sample generation")
+    temperature: float = Field(0.0, ge=0.0, description="sampling temperature of the samples; 0 = greedy")
+    seed: int = Field(0, description="seed of the sample generations")
+    engine: EngineOptions = Field(default_factory=EngineOptions)

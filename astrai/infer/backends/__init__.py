@@ -1,0 +1,1 @@
+"""Attention backends; each registers its name in astrai.infer.backend.BACKENDS."""

@@ -1,0 +1,79 @@
+"""The always-available attention backend: gather K/V through the page table, then PyTorch SDPA.
+
+Prefill loops over the requests of the ragged batch (their lengths differ a lot, padding them
+together would waste more than the loop costs) with a bottom-right causal mask when the request
+has cached K/V before its new tokens. Decode pads all requests to the longest K/V and runs one
+SDPA call with a length mask. Slot indices and masks are derived from the meta once per step
+(kept in meta.scratch) and reused by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from astrai.infer.backend import AttentionBackend, AttentionMeta
+
+
+def _page_slots(meta: AttentionMeta) -> torch.Tensor:
+    """[B, max_pages * page_size] slot of each K/V position (padded rows point at slot 0, masked)."""
+    pages_per_req = meta.kv_indptr[1:] - meta.kv_indptr[:-1]
+    max_pages = max(int(pages_per_req.max()), 1) if meta.batch_size else 1
+    idx = meta.kv_indptr[:-1, None].long() + torch.arange(max_pages, device=meta.kv_indptr.device)
+    valid = torch.arange(max_pages, device=idx.device) < pages_per_req[:, None]
+    pages = torch.where(valid, meta.kv_page_indices[idx.clamp(max=max(len(meta.kv_page_indices) - 1, 0))], 0)
+    offsets = torch.arange(meta.page_size, device=idx.device)
+    return (pages.long()[:, :, None] * meta.page_size + offsets).reshape(meta.batch_size, -1)
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def _prefill_plan(self, meta: AttentionMeta):
+        plan = meta.scratch.get("torch_prefill")
+        if plan is None:
+            slots = _page_slots(meta)
+            qo, kv_lens = meta.host["qo_indptr"], meta.host["kv_lens"]
+            plan = []
+            for b, kv_len in enumerate(kv_lens):
+                q_len = qo[b + 1] - qo[b]
+                mask = None
+                if q_len != kv_len:  # cached prefix: query i sits at kv_len - q_len + i
+                    q_pos = torch.arange(kv_len - q_len, kv_len, device=slots.device)
+                    mask = torch.arange(kv_len, device=slots.device)[None, :] <= q_pos[:, None]
+                plan.append((qo[b], qo[b + 1], slots[b, :kv_len], mask))
+            meta.scratch["torch_prefill"] = plan
+        return plan
+
+    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k_cache.shape[1]
+        for start, end, slots, mask in self._prefill_plan(meta):
+            # 4-D on purpose: on CPU, 3-D inputs take SDPA's math path (measured 5x slower at 1k tokens)
+            qb = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+            kb = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
+            vb = v_cache.index_select(0, slots).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=gqa)
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+    def _decode_plan(self, meta: AttentionMeta):
+        plan = meta.scratch.get("torch_decode")
+        if plan is None:
+            max_kv = max(meta.host["kv_lens"])
+            slots = _page_slots(meta)[:, :max_kv]
+            mask = torch.arange(max_kv, device=slots.device)[None, :] < meta.kv_lens[:, None].long()
+            plan = meta.scratch["torch_decode"] = (slots, mask[:, None, None, :])
+        return plan
+
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        slots, mask = self._decode_plan(meta)
+        shape = (*slots.shape, *self.k_cache[layer].shape[1:])
+        # index_select on the flat slots: measured 3.7x faster than advanced indexing with a 2-D index on CPU
+        k = self.k_cache[layer].index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)  # [B, Hkv, max_kv, D]
+        v = self.v_cache[layer].index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return o[:, :, 0, :]

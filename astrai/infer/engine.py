@@ -1,0 +1,234 @@
+"""Engine: prompts in, completions out (batch or streamed), over scheduler + model runner + sampler.
+
+    engine = Engine.from_checkpoint("runs/sft/model")
+    outs = engine.generate(["Once upon", [{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=32))
+    for ev in engine.stream(prompts, params): print(ev.text, end="")
+
+One `step()` = schedule -> one forward -> sample -> stop checks; finished requests give their memory
+back at once (their written pages stay in the radix cache for later prompts). A request ends with
+finish_reason "stop" (a stop token id, the tokenizer's EOS unless ignore_eos, the chat template's
+end-of-turn token for conversations, or a stop string), "length" (max_tokens) or "abort".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from astrai.config.infer import EngineOptions
+from astrai.infer.backend import select_backend
+from astrai.infer.cache import PagePool, pages_for
+from astrai.infer.chat import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
+from astrai.infer.detokenize import OutputText
+from astrai.infer.kv_storage import KVStorage
+from astrai.infer.request import FINISHED, Request, SamplingParams
+from astrai.infer.runner import ModelRunner
+from astrai.infer.sampling import TokenLogprob, make_generator, sample
+from astrai.infer.scheduler import Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Completion:
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: Optional[Union[int, str]] = None
+    logprobs: Optional[list[TokenLogprob]] = None
+    cached_tokens: int = 0
+    preemptions: int = 0
+    time_to_first_token: float = 0.0
+    latency: float = 0.0
+
+
+@dataclass
+class StreamEvent:
+    index: int  # position of the prompt in the call
+    token_id: int
+    text: str  # newly visible text (may be empty)
+    finish_reason: Optional[str] = None
+    completion: Optional[Completion] = None  # set on the last event of a request
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_seconds: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    requests: int = 0
+
+    def as_dict(self, sched: Scheduler) -> dict:
+        return {"requests": self.requests, "steps": self.steps, "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated_tokens, "seconds": self.step_seconds,
+                "tokens_per_second": self.generated_tokens / self.step_seconds if self.step_seconds else 0.0,
+                # share of the tokens requests brought at admission whose K/V came from the radix cache
+                "prefix_cache_hit_rate": sched.num_cached_tokens / max(sched.num_admitted_tokens, 1),
+                "preemptions": sched.num_preemptions}
+
+
+def _device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, options: Optional[EngineOptions] = None, eos_ids: Iterable[int] = ()):
+        self.options = o = options or EngineOptions()
+        self.device = _device(o.device)
+        dtype = DTYPES.get(o.dtype) or (torch.float32 if self.device.type == "cpu" else next(model.parameters()).dtype)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        c = model.config
+        self.tokenizer = tokenizer
+        self.template = chat_template_for(tokenizer, o.chat_template) if tokenizer is not None else None
+        self.eos_ids = frozenset(eos_ids) | ({tokenizer.eos_id} if tokenizer and tokenizer.eos_id is not None else set())
+        self.eot_id = end_of_turn_id(tokenizer, self.template) if self.template is not None else None
+        num_pages = pages_for(o.kv_cache_tokens, o.page_size)
+        kv = KVStorage(c.num_hidden_layers, num_pages * o.page_size, c.num_key_value_heads, c.head_dim, dtype, self.device)
+        self.pool = PagePool(num_pages, o.page_size, o.max_running,
+                             min(num_pages * o.page_size, c.max_position_embeddings), o.prefix_cache, self.device)
+        self.backend = select_backend(self.device, dtype)(kv.k_cache, kv.v_cache)
+        self.scheduler = Scheduler(self.pool, o.max_running, o.max_step_tokens)
+        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
+        self.stats = EngineStats()
+        self._next_rid = 0
+        self._texts: dict[int, OutputText] = {}
+
+    @classmethod
+    def from_checkpoint(cls, path: Union[str, Path], options: Optional[EngineOptions] = None) -> "Engine":
+        """A checkpoint directory: config.json + safetensors (+ tokenizer files, generation_config.json)."""
+        import json
+
+        from astrai.data.tokenizer import load_tokenizer
+        from astrai.model.checkpoint import load_model
+
+        path = Path(path)
+        model = load_model(path)
+        tokenizer = load_tokenizer(str(path)) if (path / "tokenizer.json").exists() else None
+        eos = []
+        for name in ("config.json", "generation_config.json"):
+            if (path / name).exists():
+                e = json.loads((path / name).read_text()).get("eos_token_id")
+                eos += e if isinstance(e, list) else [e] if e is not None else []
+        return cls(model, tokenizer, options, eos)
+
+    # ---- requests ----
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Request:
+        params = params or SamplingParams()
+        ids = encode_prompt(prompt, self.tokenizer, self.template)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_ids | ({self.eot_id} if is_chat(prompt) and self.eot_id is not None else set())
+        req = Request(self._next_rid, ids, params, frozenset(stop_ids))
+        req.generator = make_generator(params.seed, self.device)
+        self.scheduler.add(req)  # raises RequestTooLarge for a request that can never fit
+        self._next_rid += 1
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(ids)
+        if self.tokenizer is not None:
+            self._texts[req.rid] = OutputText(self.tokenizer.tok, ids, params.stop)
+        return req
+
+    def abort(self, req: Request) -> None:
+        self.scheduler.finish(req, "abort")
+        self._texts.pop(req.rid, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----
+    def step(self) -> list[tuple[Request, int, str]]:
+        """Run one forward; returns (request, sampled token, newly visible text) per sampled token."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.reqs:
+            raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
+        sampling = [r for i, r in enumerate(batch.reqs) if batch.samples(i)]
+        logits = self.runner.forward(batch)
+        self.scheduler.advance(batch)
+        tokens, logprobs = sample(logits, sampling) if sampling else ([], [])
+        out = [(r, t, self._accept(r, t, lp)) for r, t, lp in zip(sampling, tokens, logprobs)]
+        self.stats.steps += 1
+        self.stats.generated_tokens += len(out)
+        self.stats.step_seconds += time.perf_counter() - t0
+        return out
+
+    def _accept(self, req: Request, token: int, lp: Optional[TokenLogprob]) -> str:
+        req.tokens.append(token)
+        if lp is not None:
+            req.logprobs.append(lp)
+        if req.stats.first_token is None:
+            req.stats.first_token = time.perf_counter()
+        text = self._texts.get(req.rid)
+        delta, reason = "", None
+        if token in req.stop_ids:
+            reason, req.stop_reason = "stop", token
+        elif text is not None:
+            delta = text.push(token)
+            if text.stop_string is not None:
+                reason, req.stop_reason = "stop", text.stop_string
+        if reason is None and req.num_output >= req.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            delta += text.flush() if text is not None else ""
+            self.scheduler.finish(req, reason)
+            req.stats.finished = time.perf_counter()
+        return delta
+
+    def completion(self, req: Request, index: int) -> Completion:
+        text = self._texts.pop(req.rid, None)
+        s = req.stats
+        return Completion(index, list(req.prompt_ids), req.output_ids, text.text if text else "", req.finish_reason,
+                          req.stop_reason, req.logprobs if req.params.logprobs is not None else None,
+                          s.cached_tokens, s.preemptions, (s.first_token or s.arrival) - s.arrival,
+                          (s.finished or time.perf_counter()) - s.arrival)
+
+    # ---- whole calls ----
+    def stream(self, prompts: Sequence[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+               ) -> Iterator[StreamEvent]:
+        """Events as tokens are sampled, across all prompts (continuous batching), in sampling order."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        index = {}
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                index[self.add_request(p, sp).rid] = i
+            while any(self._live(index)):
+                for req, token, delta in self.step():
+                    if req.rid not in index:
+                        continue  # a request of another caller sharing the engine
+                    i = index[req.rid]
+                    done = req.status == FINISHED
+                    yield StreamEvent(i, token, delta, req.finish_reason if done else None,
+                                      self.completion(req, i) if done else None)
+        finally:  # the consumer stopped early (or an error): free what is still held
+            for req in list(self._live(index)):
+                self.abort(req)
+
+    def _live(self, index: dict) -> Iterator[Request]:
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if req.rid in index:
+                yield req
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[Completion]:
+        if isinstance(prompts, str) or is_chat(prompts) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        out: list[Optional[Completion]] = [None] * len(prompts)
+        for ev in self.stream(prompts, params):
+            if ev.completion is not None:
+                out[ev.index] = ev.completion
+        return out
+
+    def engine_stats(self) -> dict:
+        return self.stats.as_dict(self.scheduler)

@@ -1,0 +1,116 @@
+"""Next-token selection for a batch of requests, each with its own SamplingParams.
+
+Order (that of transformers' generate, so its warpers are the reference in the tests):
+repetition penalty (prompt + output tokens; a positive logit is divided by the penalty, a negative
+one multiplied) -> greedy rows take the argmax -> temperature -> top-k -> top-p (keep the smallest
+most-likely set whose probability reaches top_p) -> min-p (drop tokens under min_p x the top
+probability) -> draw.
+
+The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d., which picks token i with
+probability p_i. A seeded request draws its E from its own torch.Generator, exactly one vector of
+vocabulary size per sampled token, so its output depends on its seed alone and never on which
+other requests share the batch (or on a preemption in between). Unseeded rows share the process
+RNG.
+
+Logprobs (when asked) are of the model's own distribution, log_softmax of the raw logits, before
+penalty and warping, like vLLM's default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from astrai.infer.request import Request
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the `logprobs` most likely (id, logprob), best first
+
+
+def apply_repetition_penalty(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    for b, req in enumerate(reqs):
+        penalty = req.params.repetition_penalty
+        if penalty != 1.0:
+            ids = torch.tensor(req.tokens, dtype=torch.long, device=logits.device)
+            seen = logits[b, ids]
+            logits[b, ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return logits
+
+
+def warp(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on rows that sample; returns logits with dropped tokens at -inf."""
+    dev = logits.device
+    temp = torch.tensor([r.params.temperature for r in reqs], device=dev, dtype=logits.dtype)
+    logits = logits / temp[:, None]
+    vocab = logits.shape[-1]
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in reqs]
+    top_p = [r.params.top_p for r in reqs]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= torch.tensor(top_k, device=dev)[:, None],
+                                                  float("-inf"))
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # the most likely token always stays (mass before it is 0)
+        drop = mass_before >= torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    min_p = torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=logits.dtype)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        drop = probs < min_p[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def draw(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    race = torch.empty_like(probs)
+    for b, req in enumerate(reqs):
+        race[b].exponential_(generator=req.generator)  # None: the process RNG
+    return (probs / race).argmax(-1)
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+    """logits [B, V] (float32) for reqs -> one token id per request, plus logprobs where asked."""
+    logits = logits.float()
+    raw = logits
+    if any(r.params.repetition_penalty != 1.0 for r in reqs):
+        logits = apply_repetition_penalty(logits.clone(), reqs)
+    tokens = logits.max(-1).indices  # the first maximum, like argmax, and faster on CPU
+    rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
+    if rows:
+        sub = [reqs[b] for b in rows]
+        probs = warp(logits[rows], sub).softmax(-1)
+        tokens[rows] = draw(probs, sub)
+    out_tokens = tokens.tolist()
+    return out_tokens, _logprobs(raw, reqs, out_tokens)
+
+
+def _logprobs(raw: torch.Tensor, reqs: list[Request], tokens: list[int]) -> list[Optional[TokenLogprob]]:
+    want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+    out: list[Optional[TokenLogprob]] = [None] * len(reqs)
+    if not want:
+        return out
+    lp = raw[want].log_softmax(-1)
+    for i, b in enumerate(want):
+        n = reqs[b].params.logprobs
+        top = []
+        if n:
+            vals, ids = lp[i].topk(n)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        out[b] = TokenLogprob(tokens[b], float(lp[i, tokens[b]]), top)
+    return out
+
+
+def make_generator(seed: Optional[int], device="cpu") -> Optional[torch.Generator]:
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g

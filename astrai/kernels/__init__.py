@@ -1,0 +1,6 @@
+"""CUDA C++ kernels for generation, compiled at run time by CuPy (NVRTC) and launched on torch tensors.
+
+The `.cu`/`.cuh` files next to this module are package data. `catalog` names every kernel, its
+template instantiations (NVRTC name expressions) and its register budget; `launch` plans grids and
+launches them. Importing this package needs neither torch nor CuPy.
+"""

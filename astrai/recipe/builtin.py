@@ -1,0 +1,96 @@
+"""The recipe facts (kinds.StageKind) of the stages, named by the stage registry's `recipe_kind`.
+
+`astrai run` knows nothing about a stage but its registry entry (astrai.config.stages) and the
+StageKind that entry names; a new stage adds one of each.
+"""
+
+from __future__ import annotations
+
+from astrai.recipe.kinds import StageKind
+from astrai.recipe.preprocess_stage import (PreprocessOptions, check_preprocess, describe_preprocess,
+                                            preprocess_extra, run_preprocess_stage)
+from astrai.recipe.tokenizer import TokenizerOptions, run_tokenizer_stage
+
+
+def _describe_tokenizer(options, base_dir, upstream) -> dict:
+    return {"chat_template": options.chat_template}
+
+
+def _tokenizer_extra(options, base_dir) -> dict:
+    """The chat template's text goes into tokenizer_config.json: a bundled or .jinja file counts."""
+    if not options.chat_template:
+        return {}
+    from astrai.data.template import resolve_template
+    from astrai.recipe.fingerprint import text_digest
+
+    return {"chat_template": text_digest(resolve_template(options.chat_template, base_dir=base_dir).source)}
+
+
+TOKENIZER = StageKind(
+    "tokenizer", TokenizerOptions, run_tokenizer_stage, produces="tokenizer", files=("inputs",),
+    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.data.template"), describe=_describe_tokenizer,
+    extra=_tokenizer_extra,
+    figures=("vocab_size", "records"))
+
+PREPROCESS = StageKind(
+    "preprocess", PreprocessOptions, run_preprocess_stage, produces="data",
+    refs={"tokenizer": ("tokenizer",)}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
+    code=("astrai.data", "astrai.config", "astrai.schema", "astrai.recipe.preprocess_stage"),
+    describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
+    figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"))
+
+
+def _train_kind() -> StageKind:
+    from astrai.model.config import PRESETS
+    from astrai.recipe.train_stage import TrainStageOptions, check_train, describe_train, run_train_stage
+
+    return StageKind(
+        "train", TrainStageOptions, run_train_stage, produces="model",
+        refs={"data": ("data",), "val_data": ("data",), "model": ("model",)}, path_refs=frozenset({"model"}),
+        literals={"model": tuple(PRESETS)},
+        code=("astrai.train", "astrai.model", "astrai.recipe.train_stage"), describe=describe_train,
+        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop"))
+
+
+def _eval_kind() -> StageKind:
+    from astrai.recipe.eval_stage import EvalStageOptions, check_eval, run_eval_stage
+
+    return StageKind(
+        "eval", EvalStageOptions, run_eval_stage, produces="report",
+        refs={"model": ("model",), "data": ("data",)}, path_refs=frozenset({"model"}),
+        code=("astrai.infer", "astrai.model", "astrai.recipe.eval_stage"), check=check_eval,
+        figures=("perplexity", "loss", "samples"))
+
+
+def train_kind():
+    """The train stage's recipe facts, or None where astrai.train is not part of the install."""
+    return _train_kind() if _installed("astrai.train", "astrai.model") else None
+
+
+def eval_kind():
+    return _eval_kind() if _installed("astrai.infer", "astrai.model") else None
+
+
+def _installed(*packages) -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
+def recipe_kinds() -> dict[str, StageKind]:
+    """Every stage kind a `stages:` recipe may use: the registry entries (astrai.config.stages) that
+    name their recipe facts, each a StageKind or a function returning one (None: not installed)."""
+    import importlib
+
+    from astrai.config.stages import STAGES
+
+    kinds = {}
+    for stage in STAGES.values():
+        if not stage.recipe_kind:
+            continue
+        module, _, attr = stage.recipe_kind.partition(":")
+        kind = getattr(importlib.import_module(module), attr)
+        kind = kind if isinstance(kind, StageKind) else kind()
+        if kind is not None:
+            kinds[stage.name] = kind
+    return kinds

@@ -1,0 +1,75 @@
+"""The eval stage inside a recipe: perplexity on held-out data and sample generations, via run_eval.
+
+Options are astrai.infer's EvalOptions, except that the recipe decides the paths: `model` names a
+train stage (its final checkpoint; a checkpoint directory may be given instead), `data` names a
+preprocess stage and `split` picks its val/ (default) or train/ split; eval.json goes to
+RUN/<stage>/output/. Checked before any work: the split exists (the data stage holds records out),
+the data is single-output (perplexity needs input_ids/labels rows), and the model was trained on
+data made with the same tokenizer as the data evaluated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from astrai.infer.eval import EvalOptions
+
+
+class EvalStageOptions(EvalOptions):
+    model: str = Field(description="the train stage to evaluate (its final checkpoint), or a checkpoint dir")
+    data: str = Field(description="the preprocess stage whose split is evaluated")
+    split: Literal["val", "train"] = Field("val", description="which split of the data stage")
+    checkpoint: str = Field("", description="set by the recipe from `model`")
+
+    @model_validator(mode="after")
+    def _paths_from_recipe(self):
+        if self.checkpoint or self.output:
+            raise ValueError("checkpoint and output are decided by the recipe (model: a train stage; "
+                             "RUN/<stage>/output); remove them")
+        return self
+
+
+def check_eval(options: EvalStageOptions, base_dir: Path, upstream: dict) -> list[tuple[str, str]]:
+    problems = []
+    data = upstream.get("data") or {}
+    model = upstream.get("model") or {}
+    if options.split == "val" and not data.get("held_out"):
+        problems.append(("data", f"'{options.data}' holds no records out: set holdout (e.g. 0.1) in that stage, "
+                                 f"or split: train to evaluate on training data"))
+    if data.get("data_kind") in ("dpo", "grpo"):
+        problems.append(("data", f"perplexity needs single-output rows, but '{options.data}' makes "
+                                 f"{data['data_kind']} records; evaluate an SFT or text preprocess stage"))
+    if model.get("tokenizer") and data.get("tokenizer") and model["tokenizer"] != data["tokenizer"]:
+        problems.append(("data", f"'{options.model}' was trained with tokenizer {model['tokenizer']} but "
+                                 f"'{options.data}' was preprocessed with {data['tokenizer']}; preprocess the "
+                                 f"evaluation data with the model's tokenizer"))
+    return problems
+
+
+def run_eval_stage(ctx) -> dict:
+    from astrai.infer.eval import run_eval
+    from astrai.recipe.preprocess_stage import TRAIN, data_dirs
+
+    opts: EvalStageOptions = ctx.options
+    model = Path(ctx.inputs["model"])
+    checkpoint = model / "final" if (model / "final" / "config.json").exists() else model
+    train_dir, val_dir = data_dirs(ctx.inputs["data"])
+    data = train_dir if opts.split == TRAIN else val_dir
+    if data is None:
+        raise ValueError(f"{ctx.inputs['data']} has no val/ split")
+    fields = {k: v for k, v in opts.model_dump().items() if k not in ("model", "data", "split", "checkpoint",
+                                                                      "output")}
+    options = EvalOptions(**fields, checkpoint=str(checkpoint), data=str(data),
+                          output=str(ctx.output / "eval.json"))
+
+    class _Log:  # run_eval writes its summary lines to a stream: send them to the stage log
+        def write(self, text: str):
+            for line in text.rstrip("\n").splitlines():
+                ctx.log(line[len("[eval] "):] if line.startswith("[eval] ") else line)
+
+    result = run_eval(options, out=_Log())
+    return {key: result.get(key) for key in ("perplexity", "loss", "trained_tokens", "documents")} | {
+        "samples": len(result.get("samples") or [])}

@@ -1,0 +1,87 @@
+"""Stage fingerprints: a stage is up to date when nothing it depends on has changed.
+
+fingerprint = sha256 of a canonical JSON of
+  - the stage kind and its code version (sha256 of the source files of the kind's modules: an edit
+    to the code that runs the stage reruns it);
+  - its own options, as validated (defaults included, so a changed default counts too);
+  - the contents of its input files (sha256, whatever their timestamps);
+  - for each stage it reads, that stage's fingerprint and the id of the output it produced
+    (`output_id`, new on every completed run): so when an upstream stage reran, for a changed
+    option or by --force, everything that read its output reruns too, and nothing before it does;
+  - for a reference given as a path (a tokenizer directory), the contents of that path.
+
+Paths appear as written (relative to the recipe), so moving a checkout keeps every stage current.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable
+
+CHUNK = 1 << 20
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def path_digest(path: Path, skip: Iterable[str] = ("__pycache__",)) -> str:
+    """A file's sha256, or for a directory the sha256 over its files' relative names and contents."""
+    path = Path(path)
+    if path.is_file():
+        return file_digest(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and not set(p.relative_to(path).parts) & set(skip)):
+        h.update(str(f.relative_to(path).as_posix()).encode() + b"\0" + file_digest(f).encode() + b"\0")
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=None)
+def code_version(modules: tuple[str, ...]) -> str:
+    """sha256 over the source files of the given modules (a package counts with all its .py files)."""
+    h = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise ValueError(f"code version: module {name} not found")
+        if spec.submodule_search_locations:
+            files = sorted(f for loc in spec.submodule_search_locations for f in Path(loc).rglob("*.py"))
+        else:
+            files = [Path(spec.origin)]
+        for f in files:
+            h.update(name.encode() + b"\0" + f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def input_digests(patterns: Iterable[str], base_dir: Path) -> list[list[str]]:
+    """[[pattern, matched file relative to base_dir (or as given), sha256], ...] in a fixed order."""
+    import glob
+
+    out = []
+    for pattern in patterns:
+        hits = sorted(glob.glob(str(base_dir / pattern))) or sorted(glob.glob(pattern))
+        for hit in hits:
+            p = Path(hit)
+            try:
+                shown = p.resolve().relative_to(base_dir.resolve()).as_posix()
+            except ValueError:
+                shown = hit
+            out.append([pattern, shown, path_digest(p)])
+    return out
+
+
+def stage_fingerprint(kind: str, code: str, options: dict, files: dict, upstream: dict) -> str:
+    payload = {"kind": kind, "code": code, "options": options, "files": files, "upstream": upstream}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

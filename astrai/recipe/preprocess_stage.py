@@ -1,0 +1,172 @@
+"""The preprocess stage inside a recipe: a pipeline run on the recipe's inputs, with a held-out split.
+
+Output (RUN/<stage>/output/):
+    train/      the preprocess output of the kept records (manifest.json, stats.json, data/*.parquet)
+    val/        the same for the held-out records, when `holdout` > 0
+    split/      train.jsonl and val.jsonl: the records each side was made from (holdout > 0 only)
+
+The split is by record position, never random: record i (0-based, in input order) is held out
+when floor((i + 1) * holdout) > floor(i * holdout), which spreads the held-out records evenly
+(holdout 0.1 -> records 9, 19, 29, ...). Same inputs, same split.
+
+What the stage will produce is known from its options before any work (`describe_preprocess`):
+the data kind (labels | text | dpo | grpo, the names the train stage uses), whether rows are packed,
+and which tokenizer made them, so a train or eval stage can refuse the wrong data up front.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from astrai.data.errors import InputError, RecordError
+
+TRAIN, VAL, SPLIT = "train", "val", "split"
+
+
+class PreprocessOptions(BaseModel):
+    """Options of a recipe's `preprocess` stage (paths relative to the recipe file)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipeline: str = Field(description="pipeline YAML path")
+    inputs: list[str] = Field(description="input files or globs")
+    tokenizer: Optional[str] = Field(None, description="a tokenizer stage's name, an HF tokenizer dir or "
+                                                       "package:NAME; default: the pipeline's")
+    overrides: list[str] = Field(default_factory=list, description="pipeline overrides, as --set key=value")
+    holdout: float = Field(0.0, ge=0.0, lt=1.0, description="share of records held out as val/ (by position)")
+    workers: Optional[int] = Field(None, gt=0, description="parallel workers; default: number of cores")
+
+
+def data_dirs(output: Path) -> tuple[Path, Optional[Path]]:
+    """(train dir, val dir or None) of a preprocess stage's output."""
+    output = Path(output)
+    val = output / VAL
+    return output / TRAIN, (val if (val / "manifest.json").exists() else None)
+
+
+def is_held_out(i: int, share: float) -> bool:
+    return share > 0 and math.floor((i + 1) * share) > math.floor(i * share)
+
+
+def load_stage_pipeline(options: PreprocessOptions, base_dir: Path):
+    from astrai.config import load_pipeline
+
+    return load_pipeline(base_dir / options.pipeline, tuple(options.overrides))
+
+
+def data_kind(pipeline) -> str:
+    """labels | text | dpo | grpo: what the rows will be (the same names as astrai.train.data)."""
+    sources = pipeline.input.sources
+    if sources:
+        return "grpo" if any(s.list_field for s in sources.values()) else "dpo"
+    trained_only = all(not s.template and s.action in ("train", "value") for s in pipeline.input.sections)
+    return "text" if trained_only else "labels"
+
+
+def describe_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict) -> dict:
+    pipeline = load_stage_pipeline(options, base_dir)
+    tok = upstream.get("tokenizer")
+    if tok:
+        tokenizer = f"stage:{tok['stage']}" if "stage" in tok else tok.get("path")
+    else:
+        tokenizer = pipeline.tokenizer
+    return {"data_kind": data_kind(pipeline), "packed": pipeline.preprocessing.packing_strategy != "none",
+            "tokenizer": tokenizer, "held_out": options.holdout > 0}
+
+
+def check_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict) -> list[tuple[str, str]]:
+    """The pipeline itself is valid (its own located problems) and a tokenizer is named somewhere."""
+    from astrai.config import ConfigError
+
+    try:
+        pipeline = load_stage_pipeline(options, base_dir)
+    except ConfigError as e:
+        return [("pipeline", f"{e.file}:{p}") for p in e.problems]
+    if options.tokenizer is None and not pipeline.tokenizer:
+        return [("tokenizer", "the pipeline names no tokenizer; set tokenizer: to a tokenizer stage or a directory")]
+    return []
+
+
+def preprocess_extra(options: PreprocessOptions, base_dir: Path) -> dict:
+    """What the pipeline names and the options do not carry: the pipeline's own tokenizer files and
+    its chat template file (a tokenizer given by the stage is fingerprinted as a reference)."""
+    from astrai.data.tokenizer import TOKENIZER_FILES, resolve_tokenizer_path
+    from astrai.recipe.fingerprint import path_digest
+
+    pipeline = load_stage_pipeline(options, base_dir)
+    pipe_dir = (base_dir / options.pipeline).parent
+    out = {}
+    if options.tokenizer is None and pipeline.tokenizer:
+        tok_dir = resolve_tokenizer_path(pipeline.tokenizer, pipe_dir)
+        out["tokenizer"] = {n: path_digest(tok_dir / n) for n in TOKENIZER_FILES if (tok_dir / n).exists()}
+    template = pipeline.chat_template
+    if template:
+        from astrai.data.template import bundled_templates
+
+        path = bundled_templates().get(template) or pipe_dir / template  # bundled files are not .py code
+        if path.is_file():
+            out["chat_template"] = path_digest(path)
+    return out
+
+
+def run_preprocess_stage(ctx) -> dict:
+    from astrai.data.preprocess import run_preprocess
+
+    opts: PreprocessOptions = ctx.options
+    pipeline = load_stage_pipeline(opts, ctx.base_dir)
+    inputs = [p if os.path.isabs(p) else str(ctx.base_dir / p) for p in opts.inputs]
+    tokenizer = str(ctx.inputs["tokenizer"]) if "tokenizer" in ctx.inputs else None
+    pipe_dir = str((ctx.base_dir / opts.pipeline).parent)
+    sides = {TRAIN: inputs}
+    if opts.holdout > 0:
+        counts = split_records(inputs, opts.holdout, ctx.output / SPLIT)
+        ctx.log(f"held out {counts[VAL]} of {counts[TRAIN] + counts[VAL]} records for validation")
+        sides = {TRAIN: [str(ctx.output / SPLIT / "train.jsonl")], VAL: [str(ctx.output / SPLIT / "val.jsonl")]}
+    metrics = {}
+    for side, files in sides.items():
+        stats = run_preprocess(pipeline, files, str(ctx.output / side), tokenizer=tokenizer, workers=opts.workers,
+                               base_dir=pipe_dir, log=ctx.log)
+        prefix = "" if side == TRAIN else "val_"
+        for key in ("records_read", "records_kept", "records_filtered", "records_rejected", "rows", "tokens",
+                    "trained_tokens"):
+            if key in stats:
+                metrics[prefix + key] = stats[key]
+        if side == TRAIN and "packing" in stats and isinstance(stats["packing"], dict):
+            metrics["packing_efficiency"] = stats["packing"].get("efficiency")
+    return metrics
+
+
+def split_records(inputs: list[str], share: float, out: Path) -> dict:
+    """Write out/train.jsonl and out/val.jsonl from the inputs' records in order; return the counts."""
+    from astrai.data.read import expand_inputs, plan_partitions, read_partition
+
+    files = expand_inputs(inputs)
+    if not files:
+        raise InputError(f"preprocess inputs {inputs}: no files found")
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {TRAIN: 0, VAL: 0}
+    tmp = {side: out / f".{side}.jsonl.tmp" for side in counts}
+    handles = {side: open(tmp[side], "w", encoding="utf-8") for side in counts}
+    try:
+        i = 0
+        for part in plan_partitions(files, 64 << 20):
+            for batch in read_partition(part, 512):
+                for record, where in batch:
+                    if isinstance(record, RecordError):
+                        raise InputError(str(record.located(part.file, where)))
+                    side = VAL if is_held_out(i, share) else TRAIN
+                    handles[side].write(json.dumps(record, ensure_ascii=False, sort_keys=False) + "\n")
+                    counts[side] += 1
+                    i += 1
+    finally:
+        for h in handles.values():
+            h.close()
+    for side in counts:
+        os.replace(tmp[side], out / f"{side}.jsonl")
+    return counts

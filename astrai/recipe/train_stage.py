@@ -1,0 +1,144 @@
+"""The train stage inside a recipe: `run_train` on a preprocess stage's output, resumable.
+
+Options are astrai.train's TrainOptions (one declaration), except that the recipe decides the
+paths: `data` names a preprocess stage (its train/ split is trained on, its val/ split, when it
+holds one out, is the validation data), `output` is RUN/<stage>/output, and `val_data` may name
+another preprocess stage. Checked before any work: the strategy fits the data kind (sft needs
+labels, dpo/grpo their own records), and eval_every has validation data to use.
+
+Killed or interrupted, the stage is rerun by `astrai run` in the same output directory, and
+run_train continues from its last checkpoint (resume: auto); the final loss equals an
+uninterrupted run's because checkpoints carry the optimizer, scheduler, RNG and sampler state.
+The validation loss is also measured before the first step, so the summary can say by how much
+training lowered it; the stage reports `loss_curve` for the run directory's loss.png.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from pydantic import Field, model_validator
+
+from astrai.train.options import TrainOptions
+
+RECIPE_SET = ("output",)  # fields the recipe fills in
+
+
+class TrainStageOptions(TrainOptions):
+    data: str = Field(description="the preprocess stage to train on (its train/ split)")
+    model: str = Field("tiny", description="a size preset (tiny, small, ...), an earlier train stage (continue "
+                                           "from its final checkpoint), a config.json or a checkpoint dir")
+    output: str = Field("", description="set by the recipe: RUN/<stage>/output")
+    val_data: Optional[str] = Field(
+        None, description="a preprocess stage whose val/ split validates; default: the data stage's own val/")
+
+    @model_validator(mode="after")
+    def _combinations(self):  # replaces TrainOptions' check: val_data may come from the data stage
+        if self.output:
+            raise ValueError("output is decided by the recipe (RUN/<stage>/output); remove it")
+        if self.ref_model is not None and self.strategy not in ("dpo", "grpo"):
+            raise ValueError(f"ref_model is only used by dpo and grpo, not {self.strategy}")
+        return self
+
+
+STRATEGY_DATA = {"sft": ("labels",), "seq": ("labels", "text"), "dpo": ("dpo",), "grpo": ("grpo",)}
+
+
+def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> list[tuple[str, str]]:
+    problems = []
+    data = upstream.get("data") or {}
+    kind = data.get("data_kind")
+    if kind is not None and kind not in STRATEGY_DATA[options.strategy]:
+        fix = {"text": "use strategy: seq for plain text, or a pipeline with mask rules",
+               "dpo": "use strategy: dpo", "grpo": "use strategy: grpo",
+               "labels": "use strategy: sft (or a pipeline with sources for dpo/grpo)"}[kind]
+        problems.append(("data", f"strategy {options.strategy} cannot train on '{options.data}', which makes "
+                                 f"{kind} data; {fix}"))
+    val = upstream.get("val_data") or data
+    if options.eval_every is not None and not val.get("held_out"):
+        problems.append(("eval_every", f"validation needs held-out data: set holdout (e.g. 0.1) in stage "
+                                       f"'{options.val_data or options.data}', or remove eval_every"))
+    base = (upstream.get("model") or {}).get("tokenizer")
+    if base and data.get("tokenizer") and base != data["tokenizer"]:
+        problems.append(("data", f"'{options.data}' was preprocessed with tokenizer {data['tokenizer']}, but "
+                                 f"'{options.model}' was trained with {base}; preprocess with the model's tokenizer"))
+    if options.val_data and (upstream.get("val_data") or {}).get("tokenizer") != data.get("tokenizer"):
+        problems.append(("val_data", f"'{options.val_data}' was preprocessed with another tokenizer than "
+                                     f"'{options.data}'; use the same tokenizer for both"))
+    return problems
+
+
+def describe_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> dict:
+    data = upstream.get("data") or {}
+    return {"tokenizer": data.get("tokenizer"), "strategy": options.strategy, "data_kind": data.get("data_kind")}
+
+
+def run_train_stage(ctx) -> dict:
+    from astrai.recipe.preprocess_stage import data_dirs
+    from astrai.train.run import run_train
+
+    opts: TrainStageOptions = ctx.options
+    train_dir, own_val = data_dirs(ctx.inputs["data"])
+    val_dir = data_dirs(ctx.inputs["val_data"])[1] if "val_data" in ctx.inputs else own_val
+    fields = {k: v for k, v in opts.model_dump().items() if k not in ("data", "output", "val_data")}
+    if "model" in ctx.inputs:  # an earlier train stage (its final checkpoint) or a path
+        model = Path(ctx.inputs["model"])
+        fields["model"] = str(model / "final" if (model / "final" / "config.json").exists() else model)
+    options = TrainOptions(**fields, data=str(train_dir), output=str(ctx.output),
+                           val_data=str(val_dir) if val_dir else None)
+    metrics_file = ctx.output / "metrics.jsonl"
+    callbacks = [_InitialValidation(metrics_file)] if val_dir else []
+    ctx.log(f"training {options.model} ({options.strategy}) on {train_dir}" + (f", validating on {val_dir}"
+                                                                                 if val_dir else ""))
+    result = run_train(options, callbacks=callbacks)
+    if result.get("stopped") is not None:
+        # a signal stopped training after a checkpoint: not done; `astrai run` again resumes it
+        raise KeyboardInterrupt(f"training stopped by signal {result['stopped']} at step {result['steps']}")
+    return train_metrics(result, metrics_file)
+
+
+def train_metrics(result: dict, metrics_file: Path) -> dict:
+    train, val = [], []
+    if metrics_file.exists():
+        for line in metrics_file.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("loss") is not None:
+                train.append([rec["step"], rec["loss"]])
+            if rec.get("val_loss") is not None:
+                val.append([rec["step"], rec["val_loss"]])
+    # a resumed run may have logged a step twice (after its last checkpoint): keep the latest record
+    train = sorted({s: v for s, v in train}.items())
+    val = sorted({s: v for s, v in val}.items())
+    out = {"steps": result.get("steps"), "train_loss": result.get("loss"), "val_loss": result.get("val_loss"),
+           "checkpoint": result.get("final")}
+    if val:
+        out["val_loss_start"] = val[0][1]
+        out["val_loss"] = val[-1][1]
+        out["val_loss_drop"] = val[0][1] - val[-1][1]
+    out["loss_curve"] = {"train": [list(p) for p in train], "val": [list(p) for p in val]}
+    return out
+
+
+class _InitialValidation:
+    """Validation loss before the first step (step 0), so the fall of the validation loss is measured."""
+
+    def __init__(self, metrics_file: Path):
+        self.metrics_file = metrics_file
+
+    def __getattr__(self, hook):  # every other trainer hook: nothing to do
+        if hook.startswith("on_"):
+            return lambda *args: None
+        raise AttributeError(hook)
+
+    def on_train_begin(self, trainer):
+        if trainer.state.global_step != 0:  # resumed: step 0 was measured by the first run
+            return
+        rec = {"step": 0, "val_loss": trainer.validate()}  # every rank: validate sums across ranks
+        trainer.state.history.append(rec)
+        if not trainer.dist.is_main:
+            return
+        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_file, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")

@@ -1,0 +1,5 @@
+import sys
+
+from astrai.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,138 @@
+"""Trainer callbacks: the hooks, and the default callbacks registered in this order.
+
+Hooks, in the order they fire (a test records it):
+  on_train_begin
+    on_epoch_begin
+      on_batch_begin            every micro-batch, before its forward
+      on_optimizer_step         on the last micro-batch of a step, after backward, BEFORE
+                                optimizer.step() (clipping sees the accumulated gradients)
+      on_batch_end              every micro-batch; on the last one AFTER the optimizer step, so a
+                                checkpoint written here holds a finished step
+    on_epoch_end
+  on_error                      an exception escaped the loop (then re-raised)
+  on_train_end                  always, once on_train_begin has run (finally)
+
+Defaults: gradient_checkpointing, checkpoint (rank 0), metrics (JSONL + validation, rank 0),
+progress_bar (tqdm, rank 0), gradient_clipping; user callbacks run after them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+
+class Callback:
+    def on_train_begin(self, trainer): ...
+    def on_epoch_begin(self, trainer): ...
+    def on_batch_begin(self, trainer): ...
+    def on_optimizer_step(self, trainer): ...
+    def on_batch_end(self, trainer): ...
+    def on_epoch_end(self, trainer): ...
+    def on_error(self, trainer, error: BaseException): ...
+    def on_train_end(self, trainer): ...
+
+
+class GradientCheckpointing(Callback):
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def on_train_begin(self, trainer):
+        trainer.raw_model.gradient_checkpointing = self.enabled
+
+    def on_train_end(self, trainer):
+        trainer.raw_model.gradient_checkpointing = False
+
+
+class GradientClipping(Callback):
+    """Clips to max_norm (None: only measures) and records the pre-clip norm for the metrics."""
+
+    def __init__(self, max_norm):
+        self.max_norm = max_norm
+
+    def on_optimizer_step(self, trainer):
+        params = [p for p in trainer.raw_model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm else math.inf)
+        trainer.state.grad_norm = float(norm)
+
+
+class Checkpoint(Callback):
+    """Every `every` optimizer steps, at the end, on a stop signal, and on an error raised at a step
+    boundary (mid-step state is never saved: it could not resume exactly)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_batch_end(self, trainer):
+        s = trainer.state
+        if s.at_boundary and (s.global_step % self.every == 0 or trainer.stop_signal):
+            trainer.save_checkpoint()
+
+    def on_error(self, trainer, error):
+        if trainer.state.at_boundary and trainer.state.global_step > 0:
+            trainer.save_checkpoint()
+
+    def on_train_end(self, trainer):
+        if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:
+            trainer.save_checkpoint()
+
+
+class Metrics(Callback):
+    """One JSON line per `log_every` optimizer steps (loss, aux losses, lr, grad norm, tokens/s),
+    validation loss every `eval_every` steps and at the end; rank 0 writes, all ranks compute."""
+
+    def __init__(self, path: Path, log_every: int, eval_every):
+        self.path, self.log_every, self.eval_every = Path(path), log_every, eval_every
+        self._t = 0.0
+
+    def _write(self, trainer, rec: dict):
+        trainer.state.history.append(rec)
+        if trainer.dist.is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+
+    def on_train_begin(self, trainer):
+        self._t = time.perf_counter()
+
+    def on_batch_end(self, trainer):
+        s = trainer.state
+        if not s.at_boundary:
+            return
+        if s.global_step % self.log_every == 0:
+            now = time.perf_counter()
+            rec = {"step": s.global_step, "epoch": s.epoch, **s.step_metrics,
+                   "lr": trainer.optimizer.param_groups[0]["lr"], "grad_norm": s.grad_norm,
+                   "seconds": round(now - self._t, 4)}
+            self._t = now
+            self._write(trainer, rec)
+        if self.eval_every and s.global_step % self.eval_every == 0:
+            self._write(trainer, {"step": s.global_step, "val_loss": trainer.validate()})
+
+
+class ProgressBar(Callback):
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar = enabled, None
+
+    def on_epoch_begin(self, trainer):
+        if self.enabled and trainer.dist.is_main:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=trainer.sampler.steps_per_epoch, initial=trainer.state.step_in_epoch,
+                            desc=f"epoch {trainer.state.epoch}", leave=False)
+
+    def on_batch_end(self, trainer):
+        if self.bar is not None and trainer.state.at_boundary:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{trainer.state.step_metrics.get('loss', float('nan')):.4f}")
+
+    def on_epoch_end(self, trainer):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    on_train_end = on_epoch_end

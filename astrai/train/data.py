@@ -1,0 +1,83 @@
+"""What the train stage needs to know about a preprocess output, and the checks made before work.
+
+`TrainData(dir)` opens the shards (astrai.data.load.ShardDataset: memory-mapped, never loaded
+whole), tells what kind of rows they are (single-output with or without labels, DPO pairs, GRPO
+groups) and rebuilds the tokenizer the data was made with (the manifest's tokenizer plus the
+pipeline's added tokens), so checkpoints carry exactly that tokenizer and the model's vocabulary
+can be checked against it. `compat_problems` lists every invalid combination at once, each with
+its fix.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from astrai.data.load import ShardDataset
+from astrai.schema import INPUT_IDS, LABELS
+
+
+class TrainData:
+    def __init__(self, directory):
+        self.dir = Path(directory)
+        self.dataset = ShardDataset(self.dir)
+        cols = set(self.dataset.manifest.get("columns") or self.dataset.columns)
+        if "chosen_input_ids" in cols:
+            self.kind = "dpo"
+        elif "completion_input_ids" in cols:
+            self.kind = "grpo"
+        else:
+            self.kind = "labels" if LABELS in cols else "text"
+        self.has_tokens = INPUT_IDS in cols or self.kind in ("dpo", "grpo")
+        self._tok = None
+
+    def __len__(self):
+        return len(self.dataset)
+
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            from astrai.data.tokenizer import load_tokenizer, with_added_tokens
+
+            man = self.dataset.manifest
+            tok = load_tokenizer(man["tokenizer"]["path"])
+            self._tok = with_added_tokens(tok, man["pipeline"].get("added_tokens") or [])
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.tok.get_vocab_size(with_added_tokens=True)
+
+    def write_tokenizer(self, out: Path):
+        """tokenizer.json (with the added tokens), its config files, and the data's chat template."""
+        tok = self.tokenizer
+        tok.tok.save(str(Path(out) / "tokenizer.json"))
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (tok.path / name).exists():
+                shutil.copyfile(tok.path / name, Path(out) / name)
+        spec = self.dataset.manifest["pipeline"].get("chat_template")
+        if spec and spec != "tokenizer" and not (Path(out) / "chat_template.jinja").exists():
+            from astrai.data.template import bundled_templates
+
+            bundled = bundled_templates()
+            if spec in bundled:  # a template file path is the pipeline's; a bundled one we can ship
+                shutil.copyfile(bundled[spec], Path(out) / "chat_template.jinja")
+
+
+def compat_problems(strategy: str, data: TrainData, model_vocab: int) -> list[str]:
+    p = []
+    if strategy == "sft" and data.kind != "labels":
+        p.append(f"strategy sft needs labels, but {data.dir} is {data.kind} data; use strategy: seq for plain "
+                 f"text, or preprocess with mask rules" if data.kind == "text" else
+                 f"strategy sft needs single-output rows with labels, but {data.dir} holds {data.kind} records; "
+                 f"use strategy: {data.kind}")
+    if strategy == "seq" and data.kind in ("dpo", "grpo"):
+        p.append(f"strategy seq needs single-output rows, but {data.dir} holds {data.kind} records; "
+                 f"use strategy: {data.kind}")
+    if strategy in ("dpo", "grpo") and data.kind != strategy:
+        p.append(f"strategy {strategy} needs the {strategy} output of a preprocess stage (a pipeline with "
+                 f"sources, see pipelines/{strategy}_chatml.yaml), but {data.dir} is {data.kind} data")
+    if data.vocab_size > model_vocab:
+        p.append(f"the data's tokenizer has {data.vocab_size} tokens but the model's embedding only {model_vocab}; "
+                 f"use a model with vocab_size >= {data.vocab_size} (a size preset takes the tokenizer's size)")
+    return p

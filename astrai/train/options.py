@@ -1,0 +1,74 @@
+"""Train options: one pydantic model, read by the YAML, the CLI (--set) and the Python API alike.
+
+Validation that needs nothing but the options happens here (types, unknown keys, ranges, choices);
+checks that need the data or the model (sft on data without labels, dpo on non-DPO data, a
+tokenizer vocabulary larger than the model's embedding) are in astrai.train.run.check_compat,
+before any work. NOTE: imports neither torch nor the rest of astrai.train.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TrainOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: str = Field(description="preprocessed data directory (the output of `astrai preprocess`)")
+    model: str = Field("tiny", description="a size preset (tiny, small, base, ...), a config.json, or a checkpoint dir")
+    output: str = Field(description="run directory: checkpoints/, metrics.jsonl, final/")
+    strategy: Literal["seq", "sft", "dpo", "grpo"] = Field("sft", description="training objective")
+    val_data: Optional[str] = Field(None, description="preprocessed validation data (same strategy)")
+    ref_model: Optional[str] = Field(None, description="dpo/grpo reference checkpoint (default: the initial model)")
+
+    epochs: int = Field(1, ge=1, description="passes over the data")
+    max_steps: Optional[int] = Field(None, ge=1, description="stop after this many optimizer steps")
+    batch_size: int = Field(8, ge=1, description="rows per micro-batch per rank (one packed row each)")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    shuffle: bool = Field(True, description="a new row order every epoch (from seed and epoch)")
+    seed: int = Field(0, description="model init, data order and RNG seed")
+
+    lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not on norms)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="gradient clipping norm (null: no clipping)")
+    scheduler: Literal["constant", "cosine", "sgdr", "wsd"] = Field("cosine", description="learning-rate schedule")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final (or trough) lr as a fraction of lr")
+    sgdr_cycle_steps: int = Field(100, ge=1, description="sgdr: first cycle length in steps")
+    sgdr_cycle_mult: float = Field(2.0, ge=1, description="sgdr: each cycle is this much longer")
+    wsd_decay_ratio: float = Field(0.2, gt=0, le=1, description="wsd: share of steps in the final decay")
+
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="seq/sft label smoothing")
+    dpo_beta: float = Field(0.1, gt=0, description="dpo: inverse temperature beta")
+    grpo_clip_eps: float = Field(0.2, gt=0, lt=1, description="grpo: ratio clip epsilon")
+    grpo_kl_coef: float = Field(0.01, ge=0, description="grpo: k3 KL weight (0: no reference model)")
+    grpo_updates: int = Field(2, ge=1, description="grpo: optimizer steps per drawn batch")
+    moe_aux_loss_coef: Optional[float] = Field(None, ge=0, description="MoE load-balancing weight (null: config's)")
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="parameter dtype")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    attention: Literal["auto", "loop", "varlen"] = Field("auto", description="packed attention backend")
+    lm_loss: Literal["auto", "full", "chunked", "fused"] = Field(
+        "auto", description="LM head loss: auto = full up to loss_chunk_tokens positions, fused beyond")
+    loss_chunk_tokens: int = Field(4096, ge=1, description="positions per LM-head chunk")
+    gradient_checkpointing: bool = Field(False, description="recompute layers in backward (less activation memory)")
+    compile: bool = Field(False, description="torch.compile the decoder layers (attention loop stays eager)")
+
+    save_every: int = Field(100, ge=1, description="checkpoint every N optimizer steps (and at the end)")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
+    eval_every: Optional[int] = Field(None, ge=1, description="validation loss every N steps (needs val_data)")
+    log_every: int = Field(1, ge=1, description="metrics.jsonl line every N optimizer steps")
+    progress: bool = Field(True, description="tqdm progress bar on rank 0")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint")
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.eval_every is not None and self.val_data is None:
+            raise ValueError("eval_every needs val_data (a preprocessed validation directory)")
+        if self.ref_model is not None and self.strategy not in ("dpo", "grpo"):
+            raise ValueError(f"ref_model is only used by dpo and grpo, not {self.strategy}")
+        return self

@@ -1,0 +1,181 @@
+"""Training objectives: seq, sft, dpo, grpo. Each returns a SUM and the count it is a sum over.
+
+The trainer divides every micro-batch's sum by the total count of the whole optimizer step, over
+all micro-batches and ranks (`units`), so gradient accumulation and data parallelism never change
+how long and short answers are weighted (the 2024 gradient-accumulation bug fixed in transformers;
+the seed divided each micro-batch's mean by the number of micro-steps instead).
+
+- seq:  next-token cross-entropy over every token (optional label smoothing); units = tokens.
+- sft:  the same over tokens whose label != IGNORE_INDEX; units = trained tokens.
+- dpo:  -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), pi/ref = the sum of a sequence's
+        token log-probs over its trained tokens; units = pairs. The reference model is frozen, so
+        its log-probs are computed once per row and cached (once per run, hence once per epoch).
+- grpo: per trained completion token, -min(rho * A, clip(rho, 1-eps, 1+eps) * A) + kl_coef * k3,
+        rho = pi / pi_old, k3 = exp(ref - pi) - (ref - pi) - 1 (Schulman's unbiased, positive KL
+        estimator), A the group-normalised advantage of the completion; units = completion tokens.
+        pi_old is the policy when the batch was drawn: `prepare` records it, then the trainer runs
+        `updates` optimizer steps on the same batch, so the clip acts from the second update on.
+
+MoE: the load-balancing loss of each forward is added as coef * aux * (micro units / step units),
+so it too sums to one weighted mean per step; task loss, aux and weighted aux are logged apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from astrai.schema import IGNORE_INDEX
+from astrai.train.attention import packed_context
+from astrai.train.batches import collate_dpo, collate_grpo, collate_lm
+from astrai.train.lm_loss import cross_entropy_sum, token_logprobs
+
+
+@dataclass
+class Env:
+    """How the forward runs (not what it computes)."""
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    attention: str = "auto"
+    lm_loss: str = "auto"
+    loss_chunk: int = 4096
+
+
+def unwrap(model):
+    return getattr(model, "module", model)
+
+
+def forward(model, batch: dict, env: Env):
+    ctx = packed_context(batch["cu_seqlens"], env.device, env.dtype, env.attention)
+    return model(batch["input_ids"], batch["position_ids"], ctx, return_aux=True)
+
+
+def doc_sums(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(values.device)
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=values.device), lens)
+    return torch.zeros(len(lens), dtype=values.dtype, device=values.device).index_add(0, doc, values)
+
+
+class Strategy:
+    name = ""
+    updates = 1  # optimizer steps per drawn batch
+
+    def collate(self, rows: list[dict]) -> dict:
+        raise NotImplementedError
+
+    def units(self, batch: dict) -> int:
+        return int((batch["targets"] != IGNORE_INDEX).sum())
+
+    def prepare(self, model, batches: list[dict], indices: list[list[int]], env: Env):
+        """Once per drawn step, before any update (reference / old-policy log-probs)."""
+
+    def loss(self, model, batch: dict, env: Env) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(task loss sum, aux loss or None, metric sums)."""
+        raise NotImplementedError
+
+
+class LMStrategy(Strategy):
+    def __init__(self, name: str, label_smoothing: float = 0.0):
+        self.name, self.smoothing = name, label_smoothing
+
+    def collate(self, rows):
+        return collate_lm(rows, train_all_tokens=self.name == "seq")
+
+    def loss(self, model, batch, env):
+        hidden, aux = forward(model, batch, env)
+        s = cross_entropy_sum(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss, env.loss_chunk,
+                              self.smoothing)
+        return s, aux, {}
+
+
+class DPOStrategy(Strategy):
+    name = "dpo"
+
+    def __init__(self, ref_model, beta: float = 0.1):
+        self.ref, self.beta = ref_model, beta
+        self.cache: dict[int, tuple[float, float]] = {}
+
+    def collate(self, rows):
+        return collate_dpo(rows)
+
+    def units(self, batch):
+        return batch["pairs"]
+
+    def _seq_logps(self, model, batch, env):
+        hidden, aux = forward(model, batch, env)
+        lp = token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss, env.loss_chunk)
+        return doc_sums(lp, batch["cu_seqlens"]), aux
+
+    @torch.no_grad()
+    def prepare(self, model, batches, indices, env):
+        for b, idx in zip(batches, indices):
+            if not all(i in self.cache for i in idx):
+                s, _ = self._seq_logps(self.ref, b, env)
+                for j, i in enumerate(idx):
+                    self.cache[i] = (float(s[2 * j]), float(s[2 * j + 1]))
+            b["ref_logps"] = torch.tensor([v for i in idx for v in self.cache[i]], dtype=torch.float32,
+                                          device=env.device)
+
+    def loss(self, model, batch, env):
+        s, aux = self._seq_logps(model, batch, env)
+        ref = batch["ref_logps"]
+        chosen = self.beta * (s[0::2] - ref[0::2])
+        rejected = self.beta * (s[1::2] - ref[1::2])
+        margin = chosen - rejected
+        losses = -F.logsigmoid(margin)
+        m = {"reward_chosen": float(chosen.detach().sum()), "reward_rejected": float(rejected.detach().sum()),
+             "reward_accuracy": float((margin > 0).float().sum()), "reward_margin": float(margin.detach().sum())}
+        return losses.sum(), aux, m
+
+
+class GRPOStrategy(Strategy):
+    name = "grpo"
+
+    def __init__(self, ref_model: Optional[torch.nn.Module], clip_eps: float = 0.2, kl_coef: float = 0.01,
+                 updates: int = 2, adv_eps: float = 1e-4):
+        self.ref, self.clip_eps, self.kl_coef, self.updates, self.adv_eps = ref_model, clip_eps, kl_coef, updates, adv_eps
+
+    def collate(self, rows):
+        return collate_grpo(rows, self.adv_eps)
+
+    def _token_logps(self, model, batch, env):
+        hidden, aux = forward(model, batch, env)
+        return token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss,
+                              env.loss_chunk), aux
+
+    @torch.no_grad()
+    def prepare(self, model, batches, indices, env):
+        for b in batches:
+            b["old_logps"] = self._token_logps(model, b, env)[0]
+            if self.kl_coef and self.ref is not None:
+                b["ref_logps"] = self._token_logps(self.ref, b, env)[0]
+
+    def loss(self, model, batch, env):
+        logp, aux = self._token_logps(model, batch, env)
+        valid = batch["targets"] != IGNORE_INDEX
+        cu = batch["cu_seqlens"]
+        lens = (cu[1:] - cu[:-1]).to(logp.device)
+        adv = torch.repeat_interleave(batch["advantages"].to(logp.device), lens)
+        ratio = torch.exp(logp - batch["old_logps"])
+        clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        m = {"clip_fraction": float(((ratio - clipped).abs() > 0)[valid].float().sum())}
+        if self.kl_coef and "ref_logps" in batch:
+            d = batch["ref_logps"] - logp
+            kl = torch.exp(d) - d - 1
+            per_token = per_token + self.kl_coef * kl
+            m["kl"] = float(kl.detach()[valid].sum())
+        return per_token[valid].sum(), aux, m
+
+
+def make_strategy(name: str, ref_model=None, **opts) -> Strategy:
+    if name in ("seq", "sft"):
+        return LMStrategy(name, opts.get("label_smoothing", 0.0))
+    if name == "dpo":
+        return DPOStrategy(ref_model, opts.get("beta", 0.1))
+    if name == "grpo":
+        return GRPOStrategy(ref_model, opts.get("clip_eps", 0.2), opts.get("kl_coef", 0.01), opts.get("updates", 2))
+    raise ValueError(f"unknown strategy {name!r}: choose seq, sft, dpo or grpo")

@@ -1,0 +1,243 @@
+"""The training loop: epoch -> optimizer step -> micro-batch, with exact accumulation and resume.
+
+One optimizer step draws `grad_accum` micro-batches per rank (RankSampler). Before any backward,
+the step's normaliser is known: the trained units (tokens, or pairs for DPO) of all its
+micro-batches on all ranks, one all-reduce. Each micro-batch then backpropagates
+    task_sum / step_units * world   (+ coef * aux * micro_units / step_units * world for MoE)
+so the accumulated, DDP-averaged gradient is exactly the gradient of the step's token-weighted
+mean: 4 micro-batches give the gradient of their concatenation (tested). Gradients are
+all-reduced only on the last micro-batch (DDP no_sync on the others); the optimizer and the
+scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch.
+
+Resume: the state (global step, epoch, next step in the epoch) is saved with the weights,
+optimizer, scheduler and RNG at step boundaries only; the data order is a function of
+(seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would (bitwise
+on CPU, tested). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
+written, and `fit` returns with `state.stopped` set. Hook order: astrai.train.callbacks.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from astrai.train import checkpoints
+from astrai.train.batches import RankSampler
+from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
+from astrai.train.distributed import Dist, all_sum, wrap
+from astrai.train.optim import Schedule, build_optimizer, build_scheduler
+from astrai.train.strategies import Env, Strategy
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainState:
+    global_step: int = 0          # optimizer steps taken
+    epoch: int = 0
+    step_in_epoch: int = 0        # the next drawn step of this epoch (the sampler's position)
+    consumed_rows: int = 0        # rows seen over all ranks (with repeats of the padding)
+    saved_step: int = 0
+    stopped: Optional[str] = None  # the signal that stopped training early
+    # per step, not saved:
+    synced: bool = field(default=False, repr=False)       # this micro-batch ended an optimizer step
+    at_boundary: bool = field(default=True, repr=False)   # a resumable point (drawn batch finished)
+    grad_norm: Optional[float] = field(default=None, repr=False)
+    step_metrics: dict = field(default_factory=dict, repr=False)
+    history: list = field(default_factory=list, repr=False)
+
+    def saved(self) -> dict:
+        return {k: v for k, v in asdict(self).items()
+                if k in ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step")}
+
+
+class Trainer:
+    def __init__(self, model, strategy: Strategy, dataset, options, out_dir=None, val_dataset=None,
+                 callbacks: tuple[Callback, ...] = (), dist: Optional[Dist] = None,
+                 write_tokenizer: Optional[Callable[[Path], None]] = None):
+        o = self.opts = options
+        self.dist = dist or Dist()
+        self.out = Path(out_dir or o.output)
+        self.raw_model = model.to(device=self.dist.device, dtype=_DTYPES[o.dtype])
+        if o.compile:
+            for layer in self.raw_model.model.layers:
+                layer.compile()
+        self.model = wrap(self.raw_model, self.dist)
+        self.strategy, self.dataset, self.val_dataset = strategy, dataset, val_dataset
+        self.env = Env(self.dist.device, _DTYPES[o.dtype], o.attention, o.lm_loss, o.loss_chunk_tokens)
+        self.sampler = RankSampler(len(dataset), o.batch_size, o.grad_accum, self.dist.rank, self.dist.world,
+                                   o.seed, o.shuffle)
+        if self.sampler.steps_per_epoch == 0:
+            raise ValueError(f"{len(dataset)} rows make no full optimizer step of batch_size {o.batch_size} x "
+                             f"grad_accum {o.grad_accum} x {self.dist.world} rank(s); lower them")
+        self.total_steps = self.sampler.steps_per_epoch * o.epochs * strategy.updates
+        if o.max_steps:
+            self.total_steps = min(self.total_steps, o.max_steps)
+        self.optimizer = build_optimizer(self.raw_model, o.lr, o.weight_decay, o.betas, o.adam_eps)
+        self.scheduler = build_scheduler(self.optimizer, Schedule(
+            o.scheduler, self.total_steps, o.warmup_steps, o.min_lr_ratio, o.sgdr_cycle_steps, o.sgdr_cycle_mult,
+            o.wsd_decay_ratio))
+        coef = o.moe_aux_loss_coef
+        self.aux_coef = self.raw_model.config.router_aux_loss_coef if coef is None else coef
+        self.callbacks = [GradientCheckpointing(o.gradient_checkpointing), Checkpoint(o.save_every),
+                          Metrics(self.out / "metrics.jsonl", o.log_every, o.eval_every), ProgressBar(o.progress),
+                          GradientClipping(o.max_grad_norm), *callbacks]
+        self.write_tokenizer = write_tokenizer
+        self.state = TrainState()
+        self.stop_signal: Optional[int] = None
+
+    # ---- hooks, checkpoints, signals --------------------------------------------------------------
+
+    def fire(self, hook: str, *args):
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self):
+        self.state.saved_step = self.state.global_step
+        if self.dist.is_main:
+            checkpoints.save(self.checkpoint_dir, self.state.global_step, self.raw_model, self.optimizer,
+                             self.scheduler, {**self.state.saved(), "options": self.opts.model_dump(mode="json")},
+                             self.write_tokenizer)
+            checkpoints.prune(self.checkpoint_dir, self.opts.keep_last)
+
+    def resume(self) -> Optional[Path]:
+        path = checkpoints.latest(self.checkpoint_dir)
+        if path is None:
+            return None
+        saved = checkpoints.load(path, self.raw_model, self.optimizer, self.scheduler)
+        for k in ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step"):
+            setattr(self.state, k, saved[k])
+        return path
+
+    def _on_signal(self, signum, frame):
+        self.stop_signal = signum
+
+    def _install_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    def _done(self) -> bool:
+        return self.state.global_step >= self.total_steps or self.state.stopped is not None
+
+    def fit(self) -> TrainState:
+        if self.opts.resume == "auto":
+            self.resume()
+        previous = self._install_signals()
+        self.raw_model.train()
+        self.fire("on_train_begin")
+        try:
+            while self.state.epoch < self.opts.epochs and not self._done():
+                self.fire("on_epoch_begin")
+                for _, window in self.sampler.windows(self.state.epoch, self.state.step_in_epoch):
+                    self._train_window(window)
+                    if self._done():
+                        break
+                self.fire("on_epoch_end")
+                if self.state.step_in_epoch >= self.sampler.steps_per_epoch:
+                    self.state.epoch += 1
+                    self.state.step_in_epoch = 0
+        except BaseException as e:
+            self.fire("on_error", e)
+            raise
+        finally:
+            self.fire("on_train_end")
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return self.state
+
+    def _batches(self, window: list[list[int]]) -> list[dict]:
+        out = []
+        for idx in window:
+            b = self.strategy.collate([self.dataset[i] for i in idx])
+            out.append({k: v.to(self.dist.device) if torch.is_tensor(v) else v for k, v in b.items()})
+        return out
+
+    def _train_window(self, window: list[list[int]]):
+        st, d = self.state, self.dist
+        batches = self._batches(window)
+        self.strategy.prepare(self.raw_model, batches, window, self.env)
+        units = [self.strategy.units(b) for b in batches]
+        step_units = max(all_sum([float(sum(units))], d)[0], 1.0)
+        for update in range(self.strategy.updates):
+            sums: dict[str, float] = {"loss": 0.0, "aux_loss": 0.0, "forwards": 0.0, "tokens": 0.0}
+            for i, (b, n) in enumerate(zip(batches, units)):
+                last = i == len(batches) - 1
+                st.synced, st.at_boundary = False, False
+                self.fire("on_batch_begin")
+                with nullcontext() if (last or not d.active) else self.model.no_sync():
+                    task, aux, metrics = self.strategy.loss(self.model, b, self.env)
+                    loss = task * (d.world / step_units)
+                    if aux is not None:
+                        loss = loss + (self.aux_coef * n * d.world / step_units) * aux
+                        sums["aux_loss"] += float(aux.detach())
+                        sums["forwards"] += 1
+                    loss.backward()
+                sums["loss"] += float(task.detach())
+                sums["tokens"] += b["input_ids"].numel()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                st.consumed_rows += len(window[i]) * d.world
+                if last:
+                    self._optimizer_step(sums, step_units, update == self.strategy.updates - 1)
+                self.fire("on_batch_end")
+
+    def _optimizer_step(self, sums: dict, step_units: float, window_done: bool):
+        st = self.state
+        st.synced = True
+        self.fire("on_optimizer_step")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        st.global_step += 1
+        keys = sorted(sums)
+        # one collective per step: the metric sums and whether any rank was asked to stop
+        values = all_sum([sums[k] for k in keys] + [float(self.stop_signal is not None)], self.dist)
+        totals, stop = dict(zip(keys, values)), values[-1] > 0
+        m = {"loss": totals["loss"] / step_units, "tokens": int(totals["tokens"]), "units": int(step_units)}
+        if totals["forwards"]:
+            m["aux_loss"] = totals["aux_loss"] / totals["forwards"]
+            m["aux_loss_weighted"] = self.aux_coef * m["aux_loss"]
+        for k in keys:
+            if k not in ("loss", "aux_loss", "forwards", "tokens"):
+                m[k] = totals[k] / step_units
+        st.step_metrics = m
+        if window_done:
+            st.step_in_epoch += 1
+            st.at_boundary = True
+            if stop:
+                self.stop_signal = self.stop_signal or signal.SIGTERM
+                st.stopped = signal.Signals(self.stop_signal).name
+
+    # ---- validation ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        if self.val_dataset is None:
+            return float("nan")
+        self.raw_model.eval()
+        d, bs = self.dist, self.opts.batch_size
+        mine = list(range(d.rank, len(self.val_dataset), d.world))
+        total = units = 0.0
+        for s in range(0, len(mine), bs):
+            idx = mine[s:s + bs]
+            (b,) = self._batches([idx])
+            self.strategy.prepare(self.raw_model, [b], [[-1 - i for i in idx]], self.env)
+            task, _, _ = self.strategy.loss(self.raw_model, b, self.env)
+            total += float(task)
+            units += self.strategy.units(b)
+        self.raw_model.train()
+        total, units = all_sum([total, units], self.dist)
+        return total / max(units, 1.0)

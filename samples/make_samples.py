@@ -1,0 +1,96 @@
+"""Regenerate the bundled samples for recipes/pretrain.yaml, dpo.yaml and grpo.yaml (deterministic).
+
+    pip install chitchat-dataset && python samples/make_samples.py
+
+- pretrain.jsonl: {"text"} dialogue transcripts of chitchat-dataset conversations (MIT license);
+- dpo.jsonl: {"prompt", "chosen", "rejected"}: a chitchat conversation up to a user turn; chosen is
+  the reply the other speaker really gave, rejected is a reply from another conversation (the
+  preference taught: answer what was said);
+- grpo.jsonl: {"prompt", "completions": [{"text", "reward"}]}: arithmetic questions written by this
+  script, with candidate answers scored by a stated rule (see `reward`).
+Conversations used here come after the 120 of chat.jsonl in id order, so the samples do not overlap.
+"""
+
+import json
+import os
+import random
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SKIP = 120  # chat.jsonl uses the first 120 conversations in id order
+
+
+def conversations():
+    import chitchat_dataset
+
+    data = json.loads((Path(os.path.dirname(chitchat_dataset.__file__)) / "dataset.json").read_text())
+    for cid in sorted(data)[SKIP:]:
+        turns, speakers = [], []
+        for turn in data[cid]["messages"]:
+            text = " ".join(m["text"].strip() for m in turn if m["text"].strip())
+            if text:
+                turns.append(text)
+                speakers.append(turn[0]["sender"])
+        if len(turns) >= 4:
+            yield cid, turns
+
+
+def write(name: str, rows: list[dict]):
+    path = HERE / name
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    print(f"{path}: {len(rows)} records, {path.stat().st_size} bytes")
+
+
+def pretrain(convs, budget=150_000):
+    rows, size = [], 0
+    for cid, turns in convs:
+        text = "\n".join(f"{'A' if i % 2 == 0 else 'B'}: {t}" for i, t in enumerate(turns))
+        rows.append({"id": cid, "source": "chitchat", "text": text})
+        size += len(text)
+        if size >= budget:
+            break
+    return rows
+
+
+def dpo(convs, n=240):
+    convs = convs[:n + 1]
+    rows = []
+    for i, (cid, turns) in enumerate(convs[:n]):
+        k = 2 if len(turns) < 6 else 4  # the user turn that ends the prompt (0-based, even = user)
+        prompt = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns[:k + 1])]
+        other = convs[i + 1][1]
+        j = k + 1 if k + 1 < len(other) else len(other) - 1 - (len(other) - 1) % 2 - 1  # an odd (reply) index
+        rows.append({"id": cid, "source": "chitchat", "prompt": prompt,
+                     "chosen": [{"role": "assistant", "content": turns[k + 1]}],
+                     "rejected": [{"role": "assistant", "content": other[j]}]})
+    return rows
+
+
+def reward(text: str, answer: int) -> float:
+    """1.0: exactly the number; 0.5: the right number inside other words; 0.0: anything else."""
+    if text.strip() == str(answer):
+        return 1.0
+    return 0.5 if str(answer) in text.replace(",", "").split() or f"{answer}." in text else 0.0
+
+
+def grpo(n=300, seed=11):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        op = rng.choice("+-*")
+        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        question = f"What is {a} {op} {b}? Answer with the number only."
+        candidates = [str(answer), f"The answer is {answer}.", str(answer + rng.choice([-1, 1, 10])),
+                      str(int(str(abs(answer))[::-1]) * (1 if answer >= 0 else -1))]
+        rows.append({"id": f"arith-{i:04d}", "source": "arithmetic",
+                     "prompt": [{"role": "user", "content": question}],
+                     "completions": [{"text": t, "reward": reward(t, answer)} for t in candidates]})
+    return rows
+
+
+if __name__ == "__main__":
+    convs = list(conversations())
+    write("pretrain.jsonl", pretrain(convs[:600]))
+    write("dpo.jsonl", dpo(convs[600:]))
+    write("grpo.jsonl", grpo())

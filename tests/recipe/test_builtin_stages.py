@@ -1,0 +1,94 @@
+"""tokenizer -> preprocess as recipe stages: real outputs, the held-out split, reruns by fingerprint."""
+
+import json
+
+import pytest
+
+from astrai.config import ConfigError, apply_overrides, load_yaml
+from astrai.recipe.builtin import recipe_kinds
+from astrai.recipe.preprocess_stage import data_dirs, is_held_out
+from astrai.recipe.runner import Runner
+from astrai.recipe.spec import parse_recipe, stage_overrides
+
+PIPELINE = """\
+version: 1
+chat_template: chatml
+input:
+  sections: [{field: messages, action: $role, template: true}]
+mask: {user: mask, assistant: train}
+mask_default: mask
+preprocessing: {max_seq_len: 256, packing_strategy: bfd, max_packed_len: 256}
+"""
+
+RECIPE = """\
+version: 1
+name: mini
+run_dir: run
+stages:
+  tokenizer: {inputs: [chat.jsonl], vocab_size: 400}
+  preprocess: {pipeline: sft.yaml, inputs: [chat.jsonl], tokenizer: tokenizer, holdout: 0.1, workers: 1}
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    words = "red green blue cat dog sun moon tree river stone".split()
+    with open(tmp_path / "chat.jsonl", "w") as fh:
+        for i in range(60):
+            q = " ".join(words[(i + j) % 10] for j in range(5))
+            fh.write(json.dumps({"id": str(i), "messages": [{"role": "user", "content": f"say {q}"},
+                                                            {"role": "assistant", "content": q[::-1]}]}) + "\n")
+    (tmp_path / "sft.yaml").write_text(PIPELINE)
+    (tmp_path / "r.yaml").write_text(RECIPE)
+    return tmp_path / "r.yaml"
+
+
+def run(path, overrides=(), **flags):
+    kinds = recipe_kinds()
+    data, marks = load_yaml(path)
+    apply_overrides(data, stage_overrides(overrides, list(data["stages"])))
+    return Runner(parse_recipe(data, marks, str(path), kinds), kinds, log=lambda m: None).run(**flags)
+
+
+def test_held_out_positions_are_spread_evenly():
+    assert [i for i in range(40) if is_held_out(i, 0.1)] == [9, 19, 29, 39]
+    assert [i for i in range(6) if is_held_out(i, 0.5)] == [1, 3, 5]
+    assert not any(is_held_out(i, 0.0) for i in range(10))
+
+
+def test_tokenizer_then_preprocess_with_holdout(recipe):
+    s = run(recipe)
+    assert [x["status"] for x in s["stages"]] == ["ran", "ran"]
+    root = recipe.parent / "run"
+    train, val = data_dirs(root / "preprocess" / "output")
+    man = json.loads((train / "manifest.json").read_text())
+    assert man["tokenizer"]["path"] == str(root / "tokenizer" / "output")  # the stage's own tokenizer
+    assert man["counts"]["records_kept"] == 54 and json.loads((val / "manifest.json").read_text())["counts"][
+        "records_kept"] == 6
+    held = [json.loads(line)["id"] for line in (root / "preprocess" / "output" / "split" / "val.jsonl").open()]
+    assert held == ["9", "19", "29", "39", "49", "59"]
+    m = s["stages"][1]["metrics"]
+    assert m["records_kept"] == 54 and m["val_records_kept"] == 6 and 0 < m["trained_tokens"] < m["tokens"]
+
+    assert [x["status"] for x in run(recipe)["stages"]] == ["skipped", "skipped"]
+    assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2"])["stages"]] == ["skipped", "ran"]
+    assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2", "tokenizer.vocab_size=420"])["stages"]] \
+        == ["ran", "ran"]
+    # an edit to the pipeline file is an input change: preprocess reruns, the tokenizer does not
+    (recipe.parent / "sft.yaml").write_text(PIPELINE.replace("max_seq_len: 256", "max_seq_len: 200"))
+    assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2", "tokenizer.vocab_size=420"])["stages"]] \
+        == ["skipped", "ran"]
+
+
+def test_bad_pipeline_and_missing_tokenizer_are_refused_before_work(recipe):
+    (recipe.parent / "sft.yaml").write_text(PIPELINE.replace("max_seq_len", "max_seqlen"))
+    with pytest.raises(ConfigError) as e:
+        run(recipe)
+    [p] = e.value.problems
+    assert p.path == "stages.preprocess.pipeline" and p.line == 6 and "did you mean 'max_seq_len'" in p.message
+    assert not (recipe.parent / "run").exists()
+
+    (recipe.parent / "sft.yaml").write_text(PIPELINE)
+    recipe.write_text(RECIPE.replace(", tokenizer: tokenizer", ""))
+    with pytest.raises(ConfigError, match="names no tokenizer"):
+        run(recipe)

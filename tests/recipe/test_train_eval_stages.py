@@ -1,0 +1,141 @@
+"""tokenizer -> preprocess -> train -> eval through the runner, on a tiny model (skipped where the
+train/infer packages are not installed). The checkpoint must load in transformers on its own."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("astrai.train")
+pytest.importorskip("astrai.infer")
+
+from astrai.config import ConfigError  # noqa: E402
+from astrai.recipe.command import load_recipe_spec  # noqa: E402
+from astrai.recipe.runner import Runner  # noqa: E402
+
+PIPELINE = """\
+version: 1
+chat_template: chatml
+input:
+  sections: [{field: messages, action: $role, template: true}]
+mask: {user: mask, assistant: train}
+mask_default: mask
+preprocessing: {max_seq_len: 128, packing_strategy: bfd, max_packed_len: 128}
+"""
+
+DPO_PIPELINE = """\
+version: 1
+chat_template: chatml
+input:
+  sources:
+    chosen: {sections: [{field: [prompt, chosen], action: $role, template: true}]}
+    rejected: {sections: [{field: [prompt, rejected], action: $role, template: true}]}
+preprocessing: {max_seq_len: 128}
+"""
+
+RECIPE = """\
+version: 1
+name: tiny
+run_dir: run
+stages:
+  tokenizer: {inputs: [chat.jsonl], vocab_size: 320}
+  preprocess: {pipeline: sft.yaml, inputs: [chat.jsonl], tokenizer: tokenizer, holdout: 0.2, workers: 1}
+  train: {data: preprocess, model: tiny, epochs: 50, max_steps: 4, batch_size: 2, lr: 0.01, eval_every: 2, save_every: 1,
+          progress: false}
+  eval: {model: train, data: preprocess, samples: 1, sample_max_tokens: 4}
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    words = "red green blue cat dog sun moon tree river stone".split()
+    with open(tmp_path / "chat.jsonl", "w") as fh, open(tmp_path / "pairs.jsonl", "w") as pf:
+        for i in range(40):
+            q = " ".join(words[(i + j) % 10] for j in range(4))
+            user = {"role": "user", "content": f"say {q}"}
+            fh.write(json.dumps({"messages": [user, {"role": "assistant", "content": q}]}) + "\n")
+            pf.write(json.dumps({"prompt": [user], "chosen": [{"role": "assistant", "content": q}],
+                                 "rejected": [{"role": "assistant", "content": q[::-1]}]}) + "\n")
+    (tmp_path / "sft.yaml").write_text(PIPELINE)
+    (tmp_path / "dpo.yaml").write_text(DPO_PIPELINE)
+    (tmp_path / "r.yaml").write_text(RECIPE)
+    return tmp_path / "r.yaml"
+
+
+def run(path, overrides=(), **flags):
+    spec, kinds = load_recipe_spec(str(path), overrides)
+    return Runner(spec, kinds, log=lambda m: None).run(**flags)
+
+
+@pytest.mark.slow
+def test_chain_skip_and_set_reruns_only_train_and_eval(recipe):
+    s = run(recipe)
+    assert [x["status"] for x in s["stages"]] == ["ran"] * 4
+    train = s["stages"][2]["metrics"]
+    assert train["steps"] == 4 and train["val_loss_start"] > train["val_loss"]  # lr 0.01: it falls within 4 steps
+    assert s["stages"][3]["metrics"]["perplexity"] > 1
+    root = recipe.parent / "run"
+    assert (root / "loss.png").exists() and (root / "eval" / "output" / "eval.json").exists()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = root / "train" / "output" / "final"
+    tok = AutoTokenizer.from_pretrained(str(final))
+    model = AutoModelForCausalLM.from_pretrained(str(final))
+    ids = tok.apply_chat_template([{"role": "user", "content": "say red"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    assert model(ids).logits.shape[-1] >= len(tok)
+
+    assert [x["status"] for x in run(recipe)["stages"]] == ["skipped"] * 4
+    assert [x["status"] for x in run(recipe, ["train.lr=0.005"])["stages"]] == ["skipped", "skipped", "ran", "ran"]
+
+
+def test_bad_recipes_refused_before_work(recipe):
+    text = recipe.read_text()
+    recipe.write_text(text + "  pairs: {kind: preprocess, pipeline: dpo.yaml, inputs: [pairs.jsonl], "
+                             "tokenizer: tokenizer}\n  sft2: {kind: train, data: pairs}\n")
+    with pytest.raises(ConfigError) as e:
+        run(recipe)
+    [p] = e.value.problems
+    assert p.path == "stages.sft2.data" and p.line == 11 and "makes dpo data; use strategy: dpo" in p.message
+
+    recipe.write_text(text.replace("holdout: 0.2, ", ""))
+    with pytest.raises(ConfigError) as e:
+        run(recipe)
+    assert {p.path for p in e.value.problems} == {"stages.train.eval_every", "stages.eval.data"}
+
+    recipe.write_text(text + "  tok2: {kind: tokenizer, inputs: [chat.jsonl], vocab_size: 330}\n"
+                             "  pre2: {kind: preprocess, pipeline: sft.yaml, inputs: [chat.jsonl], tokenizer: tok2,"
+                             " holdout: 0.2}\n  eval2: {kind: eval, model: train, data: pre2}\n")
+    with pytest.raises(ConfigError, match="was trained with tokenizer stage:tokenizer but 'pre2'"):
+        run(recipe)
+    assert not (recipe.parent / "run").exists()
+
+
+@pytest.mark.slow
+def test_kill_during_train_then_rerun_resumes_to_the_same_loss(recipe, tmp_path):
+    slow = RECIPE.replace("max_steps: 4", "max_steps: 12")
+    recipe.write_text(slow)
+    straight = tmp_path / "straight.yaml"
+    straight.write_text(slow.replace("run_dir: run", "run_dir: straight"))
+    cmd = [sys.executable, "-m", "astrai.recipe.command"]
+    proc = subprocess.Popen(cmd + [str(recipe)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = recipe.parent / "run" / "train" / "output" / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ckpts.exists() and len(list(ckpts.glob("step-*"))) >= 1):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    state = json.loads((recipe.parent / "run" / "train" / "stage.json").read_text())
+    assert state["status"] == "running"  # killed: no chance to say otherwise
+    subprocess.run(cmd + [str(recipe)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd + [str(straight)], check=True, stdout=subprocess.DEVNULL)
+    resumed = json.loads((recipe.parent / "run" / "summary.json").read_text())["stages"][2]
+    clean = json.loads((tmp_path / "straight" / "summary.json").read_text())["stages"][2]
+    assert resumed["status"] == "resumed" and clean["status"] == "ran"
+    assert resumed["metrics"]["train_loss"] == clean["metrics"]["train_loss"]
+    assert resumed["metrics"]["steps"] == 12

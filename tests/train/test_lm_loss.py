@@ -1,0 +1,58 @@
+"""The three LM-head loss modes give the same loss and gradients as a plain cross-entropy over full
+logits (torch's F.cross_entropy, label smoothing included), and token log-probs match log_softmax."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.schema import IGNORE_INDEX
+from astrai.train.lm_loss import cross_entropy_sum, token_logprobs
+
+
+def _setup(seed=0, t=50, h=16, v=37):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, h, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, requires_grad=True)
+    targets = torch.randint(0, v, (t,), generator=g)
+    targets[::4] = IGNORE_INDEX
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("mode", ["full", "chunked", "fused"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_modes_equal_plain_cross_entropy(mode, smoothing):
+    hidden, weight, targets = _setup()
+    ref = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX, reduction="sum",
+                          label_smoothing=smoothing)
+    gh, gw = torch.autograd.grad(ref * 0.7, (hidden, weight))
+    got = cross_entropy_sum(hidden, weight, targets, mode=mode, chunk=8, smoothing=smoothing)
+    h2, w2 = torch.autograd.grad(got * 0.7, (hidden, weight))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(h2, gh, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w2, gw, atol=1e-5, rtol=1e-4)
+
+
+def test_cross_entropy_by_hand():
+    # one position, vocab 3, logits [0, ln 2, ln 5] via weight rows: p(target=1) = 2 / 8
+    hidden = torch.tensor([[1.0]])
+    weight = torch.tensor([[0.0], [torch.log(torch.tensor(2.0))], [torch.log(torch.tensor(5.0))]])
+    loss = cross_entropy_sum(hidden, weight, torch.tensor([1]))
+    assert abs(float(loss) - (-torch.log(torch.tensor(0.25)).item())) < 1e-6
+    # label smoothing 0.3: 0.7 * -log(2/8) + 0.3 * mean(-log(1/8), -log(2/8), -log(5/8))
+    smooth = cross_entropy_sum(hidden, weight, torch.tensor([1]), smoothing=0.3)
+    import math
+    by_hand = 0.7 * -math.log(0.25) + 0.3 * (-math.log(1 / 8) - math.log(2 / 8) - math.log(5 / 8)) / 3
+    assert abs(float(smooth) - by_hand) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["full", "chunked"])
+def test_token_logprobs(mode):
+    hidden, weight, targets = _setup(1)
+    lp = token_logprobs(hidden, weight, targets, mode=mode, chunk=8)
+    full = torch.log_softmax(hidden @ weight.t(), -1)
+    keep = targets != IGNORE_INDEX
+    torch.testing.assert_close(lp[keep], full[keep].gather(1, targets[keep, None])[:, 0], atol=1e-5, rtol=0)
+    assert (lp[~keep] == 0).all()
+    g1 = torch.autograd.grad((lp * torch.arange(len(lp))).sum(), hidden)[0]
+    ref = (full[keep].gather(1, targets[keep, None])[:, 0] * torch.arange(len(lp))[keep]).sum()
+    torch.testing.assert_close(g1, torch.autograd.grad(ref, hidden)[0], atol=1e-5, rtol=1e-4)

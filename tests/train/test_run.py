@@ -1,0 +1,113 @@
+"""run_train end to end on real preprocess output (tiny tokenizer): sft, dpo, grpo, seq; the final
+directory loads in transformers with equal logits; invalid combinations are refused before work."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from astrai.config import load_pipeline
+from astrai.data.preprocess import run_preprocess
+from astrai.model import CausalContext, load_model
+from astrai.train.options import TrainOptions
+from astrai.train.run import TrainConfigError, run_train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pre(tmp_path, tok, name, records, pipeline):
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / f"data-{name}"
+    run_preprocess(load_pipeline(ROOT / "pipelines" / pipeline), [str(src)], str(out), tokenizer=str(tok),
+                   workers=1, log=lambda s: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory, tiny_tokenizer):
+    tmp = tmp_path_factory.mktemp("train-data")
+    chats = [{"messages": [{"role": "user", "content": f"how are you today number {i}"},
+                           {"role": "assistant", "content": "fine thanks " * (1 + i % 4)}], "source": "x"}
+             for i in range(24)]
+    dpo = [{"prompt": [{"role": "user", "content": f"question {i} how are you"}],
+            "chosen": [{"role": "assistant", "content": "fine thanks good"}],
+            "rejected": [{"role": "assistant", "content": "no"}]} for i in range(8)]
+    grpo = [{"prompt": [{"role": "user", "content": f"say yes {i}"}],
+             "completions": [{"text": "yes<|im_end|>", "reward": 1.0}, {"text": "no maybe<|im_end|>", "reward": 0.2}]}
+            for i in range(8)]
+    text = [{"text": "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(16)]
+    return {"sft": _pre(tmp, tiny_tokenizer, "sft", chats, "chatml_sft.yaml"),
+            "dpo": _pre(tmp, tiny_tokenizer, "dpo", dpo, "dpo_chatml.yaml"),
+            "grpo": _pre(tmp, tiny_tokenizer, "grpo", grpo, "grpo_chatml.yaml"),
+            "text": _pre(tmp, tiny_tokenizer, "text", text, "pretrain_text.yaml")}
+
+
+def _opts(data, out, **kw):
+    return TrainOptions(**{"data": str(data), "output": str(out), "model": "tiny", "batch_size": 1, "max_steps": 2, "epochs": 20,
+                           "progress": False, "lr": 1e-3, **kw})
+
+
+def test_sft_final_checkpoint_loads_in_transformers(datasets, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    res = run_train(_opts(datasets["sft"], tmp_path / "run", strategy="sft"))
+    assert res["steps"] == 2 and res["stopped"] is None and res["loss"] > 0
+    final = Path(res["final"])
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert (final / f).exists(), f
+    hf = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ours = load_model(final).eval()
+    ids = torch.randint(0, ours.config.vocab_size, (12,))
+    with torch.no_grad():
+        a = ours.logits(ours(ids, torch.arange(12), CausalContext()))
+        b = hf(input_ids=ids[None], use_cache=False).logits[0]
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(final / "tokenizer.json"))
+    assert tok.convert_tokens_to_ids("<|im_end|>") is not None
+
+
+def test_dpo_first_step_loss_is_log2(datasets, tmp_path):
+    res = run_train(_opts(datasets["dpo"], tmp_path / "dpo", strategy="dpo", max_steps=1))
+    # the policy starts as the reference: every margin is 0 and -log sigmoid(0) = log 2
+    assert res["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
+
+
+def test_grpo_and_seq_run(datasets, tmp_path):
+    res = run_train(_opts(datasets["grpo"], tmp_path / "grpo", strategy="grpo", grpo_updates=2, max_steps=4))
+    assert res["steps"] == 4 and res["loss"] == res["loss"]
+    res = run_train(_opts(datasets["text"], tmp_path / "seq", strategy="seq", val_data=str(datasets["text"]),
+                          eval_every=1))
+    assert res["val_loss"] is not None and res["val_loss"] > 0
+
+
+def test_invalid_combinations_are_refused(datasets, tmp_path):
+    with pytest.raises(TrainConfigError, match="sft needs labels"):
+        run_train(_opts(datasets["text"], tmp_path / "a", strategy="sft"))
+    with pytest.raises(TrainConfigError, match="dpo needs the dpo output"):
+        run_train(_opts(datasets["sft"], tmp_path / "b", strategy="dpo"))
+    cfg = tmp_path / "small-vocab.json"
+    from astrai.model import ModelConfig
+    cfg.write_text(json.dumps(ModelConfig.preset("tiny", vocab_size=100).to_hf()))
+    with pytest.raises(TrainConfigError, match="embedding only 100"):
+        run_train(_opts(datasets["sft"], tmp_path / "c", model=str(cfg)))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before any work
+    with pytest.raises(ValueError, match="Extra inputs"):
+        TrainOptions(data="d", output="o", lerning_rate=1.0)
+
+
+def test_yaml_config_paths_and_located_errors(datasets, tmp_path):
+    from astrai.config import ConfigError
+    from astrai.train.cli import load_train_config, main
+
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(f"data: {datasets['sft']}\noutput: run\nmodel: tiny\nbatch_size: 1\nmax_steps: 1\n"
+                   f"epochs: 5\nprogress: false\n")
+    opts = load_train_config(cfg, ["lr=0.001"])
+    assert opts.output == str(tmp_path / "run") and opts.lr == 0.001 and opts.model == "tiny"
+    assert main([str(cfg)]) == 0 and (tmp_path / "run" / "final" / "model.safetensors").exists()
+    cfg.write_text("data: d\noutput: o\nlerning_rate: 1\nbatch_size: zero\n")
+    with pytest.raises(ConfigError) as e:
+        load_train_config(cfg)
+    text = str(e.value)
+    assert "3:1: lerning_rate: unknown key" in text and "4:" in text and "batch_size" in text

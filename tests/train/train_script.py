@@ -1,0 +1,95 @@
+"""A tiny training run used by the trainer tests, in-process or as a subprocess (kill, signal, torchrun).
+
+    python train_script.py OUT [--kill-at STEP] [--sleep S] [--batch B] [--accum A] [--steps N]
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from astrai.model import CausalLM, ModelConfig
+from astrai.schema import IGNORE_INDEX
+from astrai.train.callbacks import Callback
+from astrai.train.distributed import setup, teardown
+from astrai.train.options import TrainOptions
+from astrai.train.strategies import make_strategy
+from astrai.train.trainer import Trainer
+
+CFG = ModelConfig.preset("tiny", vocab_size=128, hidden_size=32, intermediate_size=64)
+
+
+def synthetic_rows(n=24, seed=0, max_doc=20):
+    """Packed rows like ShardDataset gives: several documents, a masked prompt in each."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        lens = torch.randint(2, max_doc, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)
+        ids = torch.randint(0, CFG.vocab_size, (int(lens.sum()),), generator=g)
+        labels = ids.clone()
+        start = 0
+        for k in lens.tolist():
+            labels[start:start + int(torch.randint(0, k, (1,), generator=g))] = IGNORE_INDEX
+            start += k
+        rows.append({"input_ids": ids, "labels": labels, "seq_lens": lens,
+                     "position_ids": torch.cat([torch.arange(k) for k in lens.tolist()])})
+    return rows
+
+
+def options(out, **kw):
+    base = dict(data="unused", output=str(out), strategy="sft", batch_size=2, grad_accum=2, epochs=2, lr=1e-2,
+                warmup_steps=2, save_every=2, progress=False, seed=3)
+    return TrainOptions(**{**base, **kw})
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return CausalLM(CFG)
+
+
+class KillAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_batch_end(self, trainer):
+        if trainer.state.at_boundary and trainer.state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Sleep(Callback):
+    def __init__(self, s):
+        self.s = s
+
+    def on_batch_end(self, trainer):
+        time.sleep(self.s)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--sleep", type=float)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist = setup("cpu")
+    cbs = []
+    if args.kill_at:
+        cbs.append(KillAt(args.kill_at))
+    if args.sleep:
+        cbs.append(Sleep(args.sleep))
+    t = Trainer(model(), make_strategy("sft"), synthetic_rows(),
+                options(args.out, batch_size=args.batch, grad_accum=args.accum, epochs=args.epochs),
+                callbacks=tuple(cbs), dist=dist)
+    state = t.fit()
+    print("STOPPED", state.stopped, "STEP", state.global_step, flush=True)
+    teardown(dist)
+
+
+if __name__ == "__main__":
+    main()
