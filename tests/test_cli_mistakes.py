@@ -93,6 +93,13 @@ def test_inspect_html_goes_next_to_the_data(project, capsys, monkeypatch):
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     assert main(["inspect", str(tmp / "o"), "--format", "html"]) == 0
-    assert (tmp / "o" / "inspect.html").read_text().startswith("<!")
+    page = (tmp / "o" / "inspect.html").read_text()
+    assert page.startswith("<!")
+    # a table of contents: a jump link for the statistics and for each row shown, each with its target
+    import re
+
+    links = re.findall(r'href="#([\w-]+)"', page)
+    assert "stats" in links and len(links) >= 2
+    assert all(f'id="{anchor}"' in page for anchor in links)
     assert main(["inspect", str(pipe), "-i", str(data), "--format", "html"]) == 0
     assert (tmp / "pipe.inspect.html").exists() and not list(cwd.iterdir())
