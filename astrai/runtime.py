@@ -1,4 +1,5 @@
-"""Runtime plumbing every stage reuses: a process pool, atomic writes, completion markers.
+"""Runtime plumbing every stage reuses: a process pool, atomic writes, completion markers, output
+directories (ownership marker, one-writer lock), input identity, progress.
 
 Stages (preprocess today; train and generate next) describe their work as picklable task
 objects and a function `fn(context, task)`; this module runs them, in-process or on a pool of
@@ -25,7 +26,7 @@ import json
 import multiprocessing as mp
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 # ---------------------------------------------------------------------------------------------
 # atomic files
@@ -109,19 +110,23 @@ def _call(fn: Callable[[Any, Any], Any], task: Any):
 
 
 def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, setup: Callable[[], Any],
-              context: Any = None, what: str = "tasks", log: Callable[[str], None] = print) -> None:
+              context: Any = None, what: str = "tasks", log: Callable[[str], None] = print,
+              on_done: Optional[Callable[[Any], None]] = None) -> None:
     """Run `fn(context, task)` for every task; in this process when workers == 1 or there is one
     task, else on `workers` processes. `setup()` builds the context (picklable: a module-level
     function or a functools.partial of one); `context`, when given, is that context already built
-    here. Results are not returned: tasks write their own outputs and markers."""
+    here. Results are not returned: tasks write their own outputs and markers. `on_done(task)` is
+    called here, in this process, as each task finishes (progress)."""
     if not tasks:
         return
+    on_done = on_done or (lambda task: None)
     if workers == 1 or len(tasks) == 1:
         ctx = context if context is not None else setup()
         for t in tasks:
             fn(ctx, t)
+            on_done(t)
         return
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
 
     # fork where available: workers start at once, inherit the context, and a caller's script needs
@@ -133,11 +138,11 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
     pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_worker,
                                initargs=(setup, context if fork else None, os.getpid()))
     try:
-        futures = [pool.submit(_call, fn, t) for t in tasks]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in futures:
-            if f in done and f.exception() is not None:
+        futures = {pool.submit(_call, fn, t): t for t in tasks}
+        for f in as_completed(futures):  # the first error stops the run
+            if f.exception() is not None:
                 raise f.exception()
+            on_done(futures[f])
     except BrokenProcessPool:
         raise RuntimeError(f"a worker process died while processing {what} (killed from outside, e.g. out of "
                            f"memory); finished {what} are kept: rerun to resume") from None
@@ -243,3 +248,72 @@ class output_lock:
             os.close(self.fd)  # closing the last descriptor releases the flock
             self.fd = None
         return False
+
+
+# ---------------------------------------------------------------------------------------------
+# progress
+
+PROGRESS_EVERY_S = 5.0  # how often a plain progress line is printed when not on a terminal
+
+
+class Progress:
+    """Progress of a long run, shared by stages (preprocess today; train/eval/generate later).
+
+    On a terminal: one bar redrawn in place (units done of total, counts, rate, ETA), at most ten
+    times a second. Otherwise (a log file, CI): a plain line every PROGRESS_EVERY_S seconds, so logs
+    stay readable. `counts` are whatever the stage counts (records, tokens); the rate and ETA are
+    per unit of `what` (partitions, steps)."""
+
+    def __init__(self, total: int, what: str, stream: Optional[TextIO] = None, clock=None):
+        import sys
+        import time
+
+        self.total, self.what = total, what
+        self.stream = stream if stream is not None else sys.stderr
+        self.clock = clock or time.monotonic
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.done = 0
+        self.counts: dict[str, int] = {}
+        self.start = self.last = self.clock()
+        self.every = 0.1 if self.tty else PROGRESS_EVERY_S
+
+    def update(self, units: int = 1, **counts: int):
+        self.done += units
+        for k, v in counts.items():
+            self.counts[k] = self.counts.get(k, 0) + int(v)
+        now = self.clock()
+        if now - self.last >= self.every or self.done == self.total:
+            self.last = now
+            self._show(now)
+
+    def line(self, now: Optional[float] = None) -> str:
+        now = self.clock() if now is None else now
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate > 0 else None
+        counts = "  ".join(f"{v:,} {k}" for k, v in self.counts.items())
+        per_s = "  ".join(f"{v / elapsed:,.0f} {k}/s" for k, v in self.counts.items())
+        return (f"{self.done}/{self.total} {self.what}  {counts}  {per_s}  elapsed {_clock(elapsed)}"
+                + (f"  ETA {_clock(eta)}" if eta is not None and self.done < self.total else ""))
+
+    def _show(self, now: float):
+        text = self.line(now)
+        if self.tty:
+            width = 24
+            filled = int(width * self.done / self.total) if self.total else width
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\x1b[K"
+                              + ("\n" if self.done == self.total else ""))
+        else:
+            self.stream.write(f"progress: {text}\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.tty and self.done < self.total:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"

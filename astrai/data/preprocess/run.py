@@ -32,8 +32,8 @@ from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_pa
 from astrai.data.stats import dataset_stats
 from astrai.data.template import resolve_template
 from astrai.data.tokenizer import load_tokenizer
-from astrai.runtime import (OUTPUT_MARKER, OutputBusy, atomic_write_text, claim_output, file_identity, is_done,
-                            is_ours, marker_info, output_lock, read_marker, remove_stale_tmp, run_tasks)
+from astrai.runtime import (OUTPUT_MARKER, OutputBusy, Progress, atomic_write_text, claim_output, file_identity,
+                            is_done, is_ours, marker_info, output_lock, read_marker, remove_stale_tmp, run_tasks)
 
 FORMAT_VERSION = 1
 
@@ -112,8 +112,16 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
         if pipeline.preprocessing.max_items is not None:
             _tokenize_in_order(worker, parts, run)
         else:
+            progress = Progress(len(todo), "partitions")
+
+            def done(task):  # counts from the partition's completion marker
+                summary = read_marker(job.marker(task.part.name))
+                progress.update(1, records=summary.get("read", 0), tokens=summary.get("tokens", 0))
+
             run(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
-                setup=partial(Worker.build, job), context=worker, what="partitions", log=log)
+                setup=partial(Worker.build, job), context=worker, what="partitions", log=log,
+                **({"on_done": done} if cluster is None else {}))
+            progress.close()
         _check_unchanged(outp, files, identity)
         summaries = [read_marker(job.marker(p.name)) for p in parts]
         packing = pack_globally(job, parts, workers, worker, log, run) if job.global_pack else None
