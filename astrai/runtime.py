@@ -16,6 +16,12 @@ from its steps).
   killed run left.
 - completion markers: a unit of work is done when its marker exists; the marker is written last
   (atomically) and may carry the unit's summary, so a rerun skips exactly the finished units.
+- output directories: `claim_output`/`is_ours` (the OUTPUT_MARKER file astrai writes is the only
+  proof a directory is ours), `output_lock` (flock on the directory: one writer, gone with the
+  process), `inside_output` (inputs are never read from an output).
+- `file_identity`: size/mtime/inode before and after reading, so a changed input is detected.
+- `Progress`: a bar on a terminal, a plain line every few seconds otherwise.
+- workers exit when their parent dies (they poll getppid), instead of hanging.
 
 NOTE: this module imports nothing from astrai: every layer may use it.
 """
