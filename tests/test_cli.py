@@ -52,10 +52,11 @@ def test_missing_pipeline_or_file_is_reported_not_a_traceback(tmp_path, capsys):
     assert "missing.yaml" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("verb", ["train"])
-def test_not_landed_verbs_exit_2(verb, capsys):
-    assert main([verb]) == 2
-    assert "not landed" in capsys.readouterr().err
+def test_train_verb_reports_a_bad_config(tmp_path, capsys):
+    bad = tmp_path / "t.yaml"
+    bad.write_text("data: d\noutput: o\nlrr: 1\n")
+    assert main(["train", str(bad)]) == 1
+    assert "did you mean 'lr'" in capsys.readouterr().err
 
 
 def test_help_lists_options_with_defaults():

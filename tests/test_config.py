@@ -159,7 +159,7 @@ def test_recipe_rejects_stages_not_landed(tmp_path):
                         "train: {lr: 1.0e-4}\n", "r.yaml")
     with pytest.raises(ConfigError) as e:
         load_recipe(r)
-    assert e.value.problems[0].path == "train" and "not available" in e.value.problems[0].message
+    assert e.value.problems[0].path == "train" and "under `stages:`" in e.value.problems[0].message
 
 
 def test_python_api_reads_the_same_models():

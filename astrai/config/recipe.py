@@ -39,6 +39,8 @@ class _RecipeBase(StrictModel):
 
 
 def _stage_field(stage):
+    if stage.recipe_only:
+        return Optional[dict[str, Any]], Field(None, description=f"(only under `stages:`: {stage.help})")
     if not stage.landed:
         # declared so that the problem is "not available yet", not "unknown key"
         return Optional[dict[str, Any]], Field(None, description=f"(not available yet: {stage.help})")
@@ -50,7 +52,7 @@ def _stage_field(stage):
 def recipe_model(stages: dict) -> type[StrictModel]:
     """The recipe model for a stage registry: each stage's block checked by the stage's options model."""
     model = create_model("Recipe", __base__=_RecipeBase,
-                         **{s.name: _stage_field(s) for s in stages.values() if not s.recipe_only})
+                         **{s.name: _stage_field(s) for s in stages.values()})
     model.__doc__ = "A recipe: one block per stage (astrai.config.stages), each checked by its options model."
     return model
 
@@ -61,6 +63,9 @@ Recipe = recipe_model(STAGES)
 def recipe_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     out = [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from the recipe")
            for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
+    out += [((s.name,), f"stage '{s.name}' runs in recipes of named stages: put the recipe's stages under "
+                        f"`stages:` (see recipes/sft.yaml)")
+            for s in STAGES.values() if s.recipe_only and get_in(data, s.name) is not None]
     # the stages' own combination checks, with their key paths under the stage's block
     for s in STAGES.values():
         check = getattr(s.options, "combination_problems", None)

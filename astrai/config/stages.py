@@ -102,7 +102,7 @@ class Stage:
 
     @property
     def recipe_only(self) -> bool:
-        """A stage that exists only inside `stages:` recipes (no top-level block, no verb)."""
+        """A stage that runs only inside `stages:` recipes (or as its own verb), not as a top-level block."""
         return self.recipe_kind is not None and self.run is None
 
     def run_function(self) -> Callable:
@@ -118,9 +118,11 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("preprocess", "records -> Parquet shards with exact labels", PreprocessOptions,
           "astrai.data.preprocess.stage:run", "astrai.cli.preprocess", required=True,
           recipe_kind="astrai.recipe.builtin:PREPROCESS"),
-    Stage("train", "training (pretrain/SFT/DPO/GRPO)"),
+    # train runs in `stages:` recipes and as its verb; not as an older top-level block
+    Stage("train", "training (pretrain/SFT/DPO/GRPO)", None, None, "astrai.cli.train",
+          recipe_kind="astrai.recipe.builtin:train_kind"),
     Stage("eval", "perplexity on held-out preprocessed data + sample generations -> eval.json", EvalOptions,
-          "astrai.infer.eval:run_stage", "astrai.cli.eval"),
+          "astrai.infer.eval:run_stage", "astrai.cli.eval", recipe_kind="astrai.recipe.builtin:eval_kind"),
     Stage("generate", "continue text (--prompt) or answer conversations (--chat) with a checkpoint",
           GenerateOptions, "astrai.infer.generate:run_stage", "astrai.cli.generate"),
 )}

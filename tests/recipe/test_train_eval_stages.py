@@ -89,6 +89,15 @@ def test_chain_skip_and_set_reruns_only_train_and_eval(recipe):
     ids = tok.apply_chat_template([{"role": "user", "content": "say red"}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     assert model(ids).logits.shape[-1] >= len(tok)
+    # astrai generate needs the checkpoint alone, too
+    import io
+
+    from astrai.infer.generate import GenerateOptions, generate_main
+
+    out = io.StringIO()
+    assert generate_main(GenerateOptions(checkpoint=str(final), prompt="say red",
+                                         sampling={"max_tokens": 3}), out=out, err=io.StringIO()) == 0
+    assert out.getvalue()
 
     assert [x["status"] for x in run(recipe)["stages"]] == ["skipped"] * 4
     assert [x["status"] for x in run(recipe, ["train.lr=0.005"])["stages"]] == ["skipped", "skipped", "ran", "ran"]
