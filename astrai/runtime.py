@@ -1,4 +1,5 @@
-"""Runtime plumbing every stage reuses: a process pool, atomic writes, completion markers.
+"""Runtime plumbing every stage reuses: a process pool, atomic writes, completion markers, output
+directories (ownership marker, one-writer lock), input identity, progress.
 
 Stages (preprocess today; train and generate next) describe their work as picklable task
 objects and a function `fn(context, task)`; this module runs them, in-process or on a pool of
@@ -15,6 +16,12 @@ from its steps).
   killed run left.
 - completion markers: a unit of work is done when its marker exists; the marker is written last
   (atomically) and may carry the unit's summary, so a rerun skips exactly the finished units.
+- output directories: `claim_output`/`is_ours` (the OUTPUT_MARKER file astrai writes is the only
+  proof a directory is ours), `output_lock` (flock on the directory: one writer, gone with the
+  process), `inside_output` (inputs are never read from an output).
+- `file_identity`: size/mtime/inode before and after reading, so a changed input is detected.
+- `Progress`: a bar on a terminal, a plain line every few seconds otherwise.
+- workers exit when their parent dies (they poll getppid), instead of hanging.
 
 NOTE: this module imports nothing from astrai: every layer may use it.
 """
@@ -25,7 +32,7 @@ import json
 import multiprocessing as mp
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 # ---------------------------------------------------------------------------------------------
 # atomic files
@@ -83,8 +90,23 @@ def read_marker(marker: Path) -> dict:
 _context: Any = None  # this worker process's context, set once by the pool initializer
 
 
-def _init_worker(setup: Callable[[], Any], context: Any):
+def _exit_with_parent(parent: int, every_s: float = 0.5):
+    """A worker whose parent died (SIGKILL, OOM killer) exits at once instead of working through
+    its queue and then waiting forever for the next task: its unfinished unit is redone on a rerun."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _init_worker(setup: Callable[[], Any], context: Any, parent: int):
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per worker process
+    _exit_with_parent(parent)
     global _context
     _context = context if context is not None else setup()
 
@@ -94,19 +116,23 @@ def _call(fn: Callable[[Any, Any], Any], task: Any):
 
 
 def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, setup: Callable[[], Any],
-              context: Any = None, what: str = "tasks", log: Callable[[str], None] = print) -> None:
+              context: Any = None, what: str = "tasks", log: Callable[[str], None] = print,
+              on_done: Optional[Callable[[Any], None]] = None) -> None:
     """Run `fn(context, task)` for every task; in this process when workers == 1 or there is one
     task, else on `workers` processes. `setup()` builds the context (picklable: a module-level
     function or a functools.partial of one); `context`, when given, is that context already built
-    here. Results are not returned: tasks write their own outputs and markers."""
+    here. Results are not returned: tasks write their own outputs and markers. `on_done(task)` is
+    called here, in this process, as each task finishes (progress)."""
     if not tasks:
         return
+    on_done = on_done or (lambda task: None)
     if workers == 1 or len(tasks) == 1:
         ctx = context if context is not None else setup()
         for t in tasks:
             fn(ctx, t)
+            on_done(t)
         return
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
 
     # fork where available: workers start at once, inherit the context, and a caller's script needs
@@ -116,13 +142,13 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
     fork = "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork" if fork else "spawn")
     pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_worker,
-                               initargs=(setup, context if fork else None))
+                               initargs=(setup, context if fork else None, os.getpid()))
     try:
-        futures = [pool.submit(_call, fn, t) for t in tasks]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in futures:
-            if f in done and f.exception() is not None:
+        futures = {pool.submit(_call, fn, t): t for t in tasks}
+        for f in as_completed(futures):  # the first error stops the run
+            if f.exception() is not None:
                 raise f.exception()
+            on_done(futures[f])
     except BrokenProcessPool:
         raise RuntimeError(f"a worker process died while processing {what} (killed from outside, e.g. out of "
                            f"memory); finished {what} are kept: rerun to resume") from None
@@ -136,3 +162,164 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
         pool.shutdown(wait=True, cancel_futures=True)
     log(f"{len(tasks)} {what} done with {workers} workers")
 
+
+
+# ---------------------------------------------------------------------------------------------
+# input identity
+
+
+def file_identity(paths) -> dict:
+    """(size, mtime_ns, inode) of each file (every file under a directory): taken before reading and
+    compared after, so an input replaced, truncated or appended while it was read is detected (and a
+    later restore of the old bytes cannot make the half-read result look complete)."""
+    out = {}
+    for p in paths:
+        p = Path(p)
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                st = f.stat()
+                out[str(f)] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# output directories: ownership marker and one writer at a time
+
+OUTPUT_MARKER = ".astrai-output"  # written by astrai into every output directory it owns
+
+
+def is_ours(folder: Path) -> bool:
+    """True when `folder` carries the marker astrai writes: never because of a file named like ours
+    (a user's stats.json or .work/ proves nothing)."""
+    try:
+        info = json.loads((Path(folder) / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("written_by") == "astrai"
+
+
+def marker_info(folder: Path) -> dict:
+    return json.loads((Path(folder) / OUTPUT_MARKER).read_text()) if is_ours(folder) else {}
+
+
+def claim_output(folder: Path, info: dict):
+    """Write (or update) the ownership marker; call it only on an empty folder or one `is_ours`."""
+    atomic_write_text(Path(folder) / OUTPUT_MARKER, json.dumps({"written_by": "astrai", **info}, sort_keys=True))
+
+
+def inside_output(path: Path, exclude: Path | None = None) -> bool:
+    """True when `path` lies inside (or is) a directory astrai owns (its marker), or the output
+    `exclude` of the run asking (not marked yet on a first run): inputs are never read from one."""
+    path = Path(path).absolute()
+    if exclude is not None:
+        ex = Path(exclude).absolute()
+        if path == ex or ex in path.parents:
+            return True
+    return any((p / OUTPUT_MARKER).is_file() for p in (path, *path.parents))
+
+
+class OutputBusy(RuntimeError):
+    pass
+
+
+class output_lock:
+    """Exclusive lock on an output directory for a whole run (created if missing).
+
+    flock on the directory itself: nothing is written into a directory before it is known to be
+    ours, the lock goes with the process on any exit (a crash leaves no stale lock to clean), and a
+    second run into the same directory (another process, or this one) is refused at once."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.fd: int | None = None
+
+    def __enter__(self):
+        import fcntl
+
+        if self.folder.exists() and not self.folder.is_dir():
+            raise NotADirectoryError(f"output {self.folder} is a file, not a directory: give a directory with -o")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd = None
+            raise OutputBusy(f"output {self.folder} is being written by another astrai run; wait for it to finish "
+                             f"or choose another output directory") from None
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# progress
+
+PROGRESS_EVERY_S = 5.0  # how often a plain progress line is printed when not on a terminal
+
+
+class Progress:
+    """Progress of a long run, shared by stages (preprocess today; train/eval/generate later).
+
+    On a terminal: one bar redrawn in place (units done of total, counts, rate, ETA), at most ten
+    times a second. Otherwise (a log file, CI): a plain line every PROGRESS_EVERY_S seconds, so logs
+    stay readable. `counts` are whatever the stage counts (records, tokens); the rate and ETA are
+    per unit of `what` (partitions, steps)."""
+
+    def __init__(self, total: int, what: str, stream: Optional[TextIO] = None, clock=None):
+        import sys
+        import time
+
+        self.total, self.what = total, what
+        self.stream = stream if stream is not None else sys.stderr
+        self.clock = clock or time.monotonic
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.done = 0
+        self.counts: dict[str, int] = {}
+        self.start = self.last = self.clock()
+        self.every = 0.1 if self.tty else PROGRESS_EVERY_S
+
+    def update(self, units: int = 1, **counts: int):
+        self.done += units
+        for k, v in counts.items():
+            self.counts[k] = self.counts.get(k, 0) + int(v)
+        now = self.clock()
+        if now - self.last >= self.every or self.done == self.total:
+            self.last = now
+            self._show(now)
+
+    def line(self, now: Optional[float] = None) -> str:
+        now = self.clock() if now is None else now
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate > 0 else None
+        counts = "  ".join(f"{v:,} {k}" for k, v in self.counts.items())
+        per_s = "  ".join(f"{v / elapsed:,.0f} {k}/s" for k, v in self.counts.items())
+        return (f"{self.done}/{self.total} {self.what}  {counts}  {per_s}  elapsed {_clock(elapsed)}"
+                + (f"  ETA {_clock(eta)}" if eta is not None and self.done < self.total else ""))
+
+    def _show(self, now: float):
+        text = self.line(now)
+        if self.tty:
+            width = 24
+            filled = int(width * self.done / self.total) if self.total else width
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\x1b[K"
+                              + ("\n" if self.done == self.total else ""))
+        else:
+            self.stream.write(f"progress: {text}\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.tty and self.done < self.total:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"

@@ -139,7 +139,9 @@ def test_overrides_are_typed_and_validated(tmp_path):
     assert pipe.preprocessing.max_seq_len == 4096
     assert pipe.output.position_ids_mode == "continuous"
     (prob,) = problems(p, overrides=("preprocessing.max_seq_len=lots",))
-    assert prob.path == "preprocessing.max_seq_len"
+    # named by the --set it came from (the file has no such line), with the key in the message
+    assert prob.path == "--set preprocessing.max_seq_len=lots" and prob.line is None
+    assert prob.message.startswith("preprocessing.max_seq_len: ")
     assert parse_set("a.b=[1, 2]") == (["a", "b"], [1, 2])
     with pytest.raises(ValueError):
         parse_set("novalue")

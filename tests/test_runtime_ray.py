@@ -61,6 +61,7 @@ def test_recipe_executor_keys_are_validated(tmp_path, capsys):
     from astrai.cli import main
 
     (tmp_path / "p.yaml").write_text("version: 1\ninput: {sections: [{field: text}]}\n")
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')  # validate checks that a recipe's inputs exist
     r = tmp_path / "r.yaml"
     block = "version: 1\npreprocess:\n  pipeline: p.yaml\n  inputs: [a.jsonl]\n  output: o\n"
     r.write_text(block + "  executor: ray\n  ray_address: 10.0.0.1:6379\n")

@@ -32,10 +32,15 @@ def verbs() -> list[tuple[str, str]]:
     return [("run", "astrai.cli.run"), *stage_verbs, *_TOOL_VERBS]
 
 
-def add_set(p: argparse.ArgumentParser):
+def add_set(p: argparse.ArgumentParser, verb: str = ""):
+    # every example here must work as printed (tests/test_cli_set.py runs them)
+    if verb == "run":
+        example = ("--set preprocess.holdout=0.2 (STAGE.KEY; a pipeline key such as --set "
+                   "preprocessing.max_seq_len=256 goes to the recipe's preprocess stages)")
+    else:
+        example = "--set preprocessing.max_seq_len=1024 (on a recipe, pipeline keys also as pipeline.KEY)"
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set preprocessing.max_seq_len=4096 (repeatable; "
-                        "values are typed as YAML)")
+                   help=f"override a config key, e.g. {example}; repeatable, values are typed as YAML")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         p = sub.add_parser(verb, help=module.help_for(verb), formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
-        add_set(p)
+        add_set(p, verb)
         p.set_defaults(verb_module=module)
     return ap
 
@@ -60,8 +65,16 @@ def main(argv=None) -> int:
     if not args.verb:
         ap.print_help()
         return 2
+    if getattr(args, "workers", None) is not None and args.workers < 1:
+        print(f"error: --workers {args.workers}: give 1 or more worker processes (or leave it out: one per core)",
+              file=sys.stderr)
+        return 2
     try:
         return args.verb_module.run(args)
+    except KeyboardInterrupt:
+        # finished units of work are kept (completion markers); what was half-written is redone
+        print("interrupted; rerun to resume", file=sys.stderr)
+        return 130
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -40,7 +40,8 @@ def add_arguments(p):
                    help="show record (or dataset row) K, counted from 0 in input order (repeatable; replaces -n)")
     p.add_argument("--format", choices=("text", "json", "html"), default="text",
                    help="text, json (one object per line) or html (one self-contained page) [default: text]")
-    p.add_argument("-o", "--output", default=None, metavar="FILE", help="write to FILE [default: stdout]")
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="write to FILE [default: stdout; html: OUTDIR/inspect.html, or PIPELINE.inspect.html]")
     p.add_argument("--compare", default=None, metavar="OTHER.yaml",
                    help="show each record under a second pipeline/recipe too, side by side, marking tokens whose "
                         "label differs (--set applies to the first one only)")
@@ -63,6 +64,8 @@ def run(args) -> int:
     wanted = sorted(set(args.records)) if args.records else list(range(args.n or DEFAULT_N))
     explicit = bool(args.records)
     target = Path(args.target)
+    if target.is_file() and target.suffix.lower() in (".parquet", ".arrow"):
+        target = _output_of_shard(target)
     if target.is_dir():
         if args.compare:
             raise InputError("--compare runs two pipelines on input records: give a pipeline or recipe, "
@@ -84,18 +87,39 @@ def run(args) -> int:
                                            and os.environ.get("TERM") != "dumb")
         width = args.width or (shutil.get_terminal_size((160, 40)).columns if tty else 160)
         text = render_text(report, color, width, args.table)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-        print(f"wrote {args.output}", file=sys.stderr)
+    output = args.output or (_html_path(target) if args.format == "html" else None)
+    if output:
+        if Path(output).is_dir():
+            raise InputError(f"-o {output} is a directory: give a file name, e.g. {Path(output) / 'inspect.html'}")
+        Path(output).write_text(text, encoding="utf-8")
+        print(f"wrote {output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0 if report.entries else 1
+
+
+def _output_of_shard(shard: Path) -> Path:
+    """A shard named on the command line: inspect the output it belongs to (data/ sits under it)."""
+    out = shard.absolute().parent.parent
+    if shard.parent.name == "data" and (out / "manifest.json").is_file():
+        return out
+    raise InputError(f"{shard} is a data file, not an astrai output: give the preprocessed output directory "
+                     f"(the folder holding manifest.json), or a pipeline/recipe YAML with -i {shard}")
+
+
+def _html_path(target: Path) -> Path:
+    """HTML is a page, not a stream: by default it goes next to the data it shows (an output
+    directory's inspect.html, or PIPELINE.inspect.html beside the YAML), never the working directory."""
+    return target / "inspect.html" if target.is_dir() else target.with_name(target.stem + ".inspect.html")
 
 
 def _records(path: str, inputs: Optional[list[str]], wanted: list[int], overrides: list[str],
              tokenizer: Optional[str], explicit: bool = False):
     if not Path(path).is_file():
         raise InputError(f"{path}: no such file (give a pipeline/recipe YAML or a preprocessed output directory)")
+    if Path(path).suffix.lower() not in (".yaml", ".yml"):
+        raise InputError(f"{path}: not a YAML file: give a pipeline/recipe YAML (and the data with -i {path}) or a "
+                         f"preprocessed output directory")
     cfg = load_any(path, tuple(overrides))
     inputs = inputs or cfg.recipe_inputs
     if not inputs:

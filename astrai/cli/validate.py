@@ -1,16 +1,35 @@
-"""`astrai validate FILE`: print OK, or every problem with its key path and line:column (exit 1)."""
+"""`astrai validate FILE [-i INPUT] [--deep [N]]`: check what can be checked without running.
+
+Config problems first (every one, with key path and line:column). Then, when the config is valid:
+the tokenizer (directory or package) exists and loads, the chat template exists and compiles and
+its markers are single tokens, and a recipe's input paths exist (a recipe of named stages is
+checked by astrai.recipe: every stage, reference and input). `--deep N` processes the first N
+input records exactly as a run would (into a temporary directory) and reports rejects by reason and
+the trained share. Exit 1 on any problem.
+"""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from astrai.config import ConfigError, is_staged, load_any, load_yaml
+
+DEEP_DEFAULT = 100
 
 
 def help_for(verb: str) -> str:
-    return "check a pipeline or recipe; print OK or every problem (exit 1)"
+    return "check a pipeline or recipe (and its tokenizer, template, inputs); print OK or every problem (exit 1)"
 
 
 def add_arguments(p):
     p.add_argument("file", help="pipeline or recipe YAML")
+    p.add_argument("-i", "--input", dest="inputs", action="append", default=None, metavar="INPUT",
+                   help="inputs to check (and to read with --deep) [default: the recipe's inputs]")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="HF tokenizer directory [default: the config's]")
+    p.add_argument("--deep", nargs="?", type=int, const=DEEP_DEFAULT, default=None, metavar="N",
+                   help=f"also process the first N records and report rejects and the trained share "
+                        f"[default N: {DEEP_DEFAULT}]")
 
 
 def run(args) -> int:
@@ -19,12 +38,85 @@ def run(args) -> int:
             from astrai.recipe.command import load_recipe_spec
 
             load_recipe_spec(args.file, tuple(args.overrides))
-        else:
-            load_any(args.file, tuple(args.overrides))
+            print(f"{args.file}: OK")
+            return 0
+        cfg = load_any(args.file, tuple(args.overrides))
     except ConfigError as e:
         for p in e.problems:
             print(f"{e.file}:{p}")
         print(f"{len(e.problems)} problem(s)")
         return 1
+    problems = _resources(cfg, args)
+    for p in problems:
+        print(f"{args.file}: {p}")
+    if problems:
+        print(f"{len(problems)} problem(s)")
+        return 1
+    if args.deep is not None:
+        if args.deep < 1:
+            print(f"{args.file}: --deep {args.deep}: give a number of records >= 1")
+            return 1
+        return _deep(cfg, args)
     print(f"{args.file}: OK")
+    return 0
+
+
+def _resources(cfg, args) -> list[str]:
+    """The tokenizer, template and inputs the config names: each problem as one line with its fix."""
+    from astrai.data.errors import InputError
+    from astrai.data.preflight import check_template_markers
+    from astrai.data.process import Processor
+    from astrai.data.read import expand_inputs
+    from astrai.data.template import resolve_template
+    from astrai.data.tokenizer import load_tokenizer
+
+    problems = []
+    inputs = args.inputs or cfg.recipe_inputs
+    if inputs:  # a pipeline alone names none (give -i to check some)
+        try:
+            expand_inputs(inputs)
+        except InputError as e:
+            problems.append(str(e))
+    spec = cfg.tokenizer(args.tokenizer)
+    if not spec:
+        if cfg.pipeline.chat_template:
+            problems.append("no tokenizer: set `tokenizer:` or pass --tokenizer DIR (the template cannot be checked "
+                            "without it)")
+        return problems
+    try:
+        tok = load_tokenizer(spec, cfg.base_dir)
+        template = (resolve_template(cfg.pipeline.chat_template, tok, cfg.base_dir)
+                    if cfg.pipeline.chat_template else None)
+        check_template_markers(Processor(cfg.pipeline, tok, cfg.base_dir, template))
+    except InputError as e:
+        problems.append(str(e))
+    return problems
+
+
+def _deep(cfg, args) -> int:
+    from astrai.data.preprocess import run_preprocess
+
+    inputs = args.inputs or cfg.recipe_inputs
+    if not inputs:
+        print(f"{args.file}: --deep needs records: give -i INPUT (a recipe names its own)")
+        return 1
+    pp = cfg.pipeline.preprocessing.model_copy(update={"max_items": args.deep, "max_reject_share": 1.0})
+    pipe = cfg.pipeline.model_copy(update={"preprocessing": pp})
+    with tempfile.TemporaryDirectory() as d:
+        stats = run_preprocess(pipe, inputs, str(Path(d) / "out"), tokenizer=cfg.tokenizer(args.tokenizer),
+                               workers=1, base_dir=cfg.base_dir, log=lambda s: None)
+        rejects = (Path(d) / "out" / "rejects.jsonl")
+        first = rejects.read_text(encoding="utf-8").splitlines()[:3] if rejects.exists() else []
+    read, rejected = stats["records_read"], stats["records_rejected"]
+    share = stats["supervised_share"]
+    print(f"{args.file}: first {read} records: {stats['records_kept']} kept, {stats['records_filtered']} filtered, "
+          f"{rejected} rejected; trained share {share:.1%}" if share is not None else
+          f"{args.file}: first {read} records: {stats['records_kept']} kept, {rejected} rejected")
+    for reason, n in stats["rejected_by_reason"].items():
+        print(f"  rejected {reason}: {n}")
+    for line in first:
+        print(f"  e.g. {line[:200]}")
+    if read == 0 or stats["records_kept"] == 0 or rejected > cfg.pipeline.preprocessing.max_reject_share * read:
+        print("problem: a run would fail (no record kept, or more rejected than preprocessing.max_reject_share)")
+        return 1
     return 0

@@ -224,7 +224,25 @@ def load_yaml(path: str | os.PathLike) -> tuple[Any, dict]:
     return data, (_marks(node) if node is not None else {})
 
 
-def validate_data(data: Any, model: type[BaseModel], file: str, marks: Optional[dict] = None):
+def validate_data(data: Any, model: type[BaseModel], file: str, marks: Optional[dict] = None, sets=()):
+    """Validate or raise ConfigError with every problem. `sets` (from `override`) are the `--set`
+    overrides applied: a problem under a key one of them set names that `--set`, not a file line."""
+    try:
+        return _validate(data, model, file, marks)
+    except ConfigError as e:
+        if sets:
+            e = ConfigError(e.file, [_from_set(p, sets) for p in e.problems])
+        raise e from None
+
+
+def _from_set(p: Problem, sets) -> Problem:
+    for key, shown in reversed(sets):  # the last override of a key is the one in effect
+        if p.path and (p.path == key or p.path.startswith((key + ".", key + "[")) or key.startswith(p.path + ".")):
+            return Problem(f"--set {shown}", f"{p.path}: {p.message}")
+    return p
+
+
+def _validate(data: Any, model: type[BaseModel], file: str, marks: Optional[dict] = None):
     marks = marks or {}
     if not isinstance(data, dict):
         raise ConfigError(file, [Problem("", f"expected a mapping at the top level, got {type(data).__name__}", 1, 1)])
@@ -247,19 +265,28 @@ def validate_data(data: Any, model: type[BaseModel], file: str, marks: Optional[
     raise ConfigError(file, problems)
 
 
-def override(data: Any, overrides, path):
-    """Apply `--set` overrides to loaded data; a bad one is a located problem of the file."""
+def override(data: Any, overrides, path, shown_prefix: str = "") -> list[tuple[str, str]]:
+    """Apply `--set` overrides to loaded data; a bad one is a problem named by its `--set`. Returns
+    (dotted key, the override as the user wrote it) for validate_data to name later problems by."""
     if isinstance(data, dict) and overrides:
         try:
             apply_overrides(data, list(overrides))
         except ValueError as e:
             raise ConfigError(str(path), [Problem("--set", str(e))]) from None
+    sets = []
+    for o in overrides:
+        try:
+            sets.append((".".join(parse_set(o)[0]), shown_prefix + o))
+        except ValueError:
+            pass
+    return sets
 
 
-def load_model(path: str | os.PathLike, model: type[BaseModel], overrides: tuple[str, ...] = ()):
+def load_model(path: str | os.PathLike, model: type[BaseModel], overrides: tuple[str, ...] = (),
+               shown_prefix: str = ""):
     data, marks = load_yaml(path)
-    override(data, overrides, path)
-    return validate_data(data, model, str(path), marks)
+    sets = override(data, overrides, path, shown_prefix)
+    return validate_data(data, model, str(path), marks, sets)
 
 
 def model_help(model: type[BaseModel], prefix: str = "") -> list[str]:

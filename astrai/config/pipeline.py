@@ -86,6 +86,10 @@ class Preprocessing(StrictModel):
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="bad record: raise (stop with file:line) or skip (write it to rejects.jsonl)"
     )
+    max_reject_share: float = Field(
+        0.5, ge=0, le=1, description="fail the run (after writing rejects.jsonl) when more records than this share "
+                                     "are rejected, or none is kept"
+    )
     partition_bytes: int = Field(
         32 << 20, gt=0, description="input bytes per work partition (the unit of parallelism and resume)"
     )
@@ -251,5 +255,6 @@ def _value_column_problems(sections: Any, sources: Any) -> list[tuple[tuple, str
     return out
 
 
-def load_pipeline(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Pipeline:
-    return load_model(path, Pipeline, overrides)
+def load_pipeline(path: str | os.PathLike, overrides: tuple[str, ...] = (), shown_prefix: str = "") -> Pipeline:
+    """`shown_prefix`: how the overrides were written (a recipe's `pipeline.`), for their errors."""
+    return load_model(path, Pipeline, overrides, shown_prefix)

@@ -77,8 +77,8 @@ def recipe_combination_problems(data: Any) -> list[tuple[tuple, str]]:
 
 def load_recipe(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Recipe:
     data, marks = load_yaml(path)
-    override(data, overrides, path)
-    return validate_data(data, Recipe, str(path), marks)
+    sets = override(data, overrides, path)
+    return validate_data(data, Recipe, str(path), marks, sets)
 
 
 def detect_kind(data: Any) -> str:
@@ -192,15 +192,28 @@ def load_any(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Loaded
     and `pipeline.KEY=...` overrides go to that pipeline."""
     data, marks = load_yaml(path)
     if detect_kind(data) != "recipe":
-        override(data, overrides, path)
-        return Loaded(None, validate_data(data, Pipeline, str(path), marks), Path(path))
+        sets = override(data, overrides, path)
+        return Loaded(None, validate_data(data, Pipeline, str(path), marks, sets), Path(path))
     r_over, p_over = split_overrides(overrides)
     if is_staged(data):
         return _staged_preprocess(path, data, marks, p_over)
-    override(data, r_over, path)
-    recipe = validate_data(data, Recipe, str(path), marks)
+    _refuse_pipeline_keys(path, r_over)
+    sets = override(data, r_over, path)
+    recipe = validate_data(data, Recipe, str(path), marks, sets)
     pipe_path = Path(path).parent / recipe.preprocess.pipeline
     if not pipe_path.exists():
         line, col = find_mark(marks, ("preprocess", "pipeline"))
         raise ConfigError(str(path), [Problem("preprocess.pipeline", f"file not found: {pipe_path}", line, col)])
-    return Loaded(recipe, load_pipeline(pipe_path, tuple(p_over)), pipe_path, Path(path).parent)
+    return Loaded(recipe, load_pipeline(pipe_path, tuple(p_over), "pipeline."), pipe_path, Path(path).parent)
+
+
+def _refuse_pipeline_keys(path, overrides):
+    """A pipeline key set on a recipe (--set preprocessing.max_seq_len=...): say the form that works."""
+    problems = []
+    for o in overrides:
+        top = o.split("=", 1)[0].strip().split(".")[0]
+        if top in Pipeline.model_fields and top not in Recipe.model_fields:
+            problems.append(Problem(f"--set {o}", f"'{top}' is a key of the recipe's pipeline: on a recipe write "
+                                                  f"--set pipeline.{o}"))
+    if problems:
+        raise ConfigError(str(path), problems)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from astrai.data.errors import InputError, RecordError
+from astrai.runtime import inside_output
 
 SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
                 ".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz",
@@ -51,10 +52,12 @@ class Partition:
 
 
 def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = None,
-                  warnings: Optional[list] = None) -> list[Path]:
+                  exclude: Optional[Path] = None, warnings: Optional[list] = None) -> list[Path]:
     """Files for the given paths/globs, sorted within each pattern; HF dataset dirs stay whole, also
     inside a directory that is walked (their state.json/dataset_info.json are not records).
 
+    Outputs are never inputs: nothing under `exclude` (the run's own output directory) is read, and
+    a glob or walked directory skips every directory that carries astrai's output marker.
     What a person would want to know is appended to `warnings` (one line each): files of a walked
     directory that are not inputs (README.md, .txt), a directory with no input file, an empty file.
     Nothing to read at all is an error."""
@@ -67,10 +70,15 @@ def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = No
         matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True)) if glob.has_magic(str(p)) else [p]
         if not matches or not matches[0].exists():
             raise InputError(f"input '{pat}': no such file or directory ({p})")
+        matches = [m for m in matches if not inside_output(m, exclude)]
+        if not matches:
+            raise InputError(f"input '{pat}': only matches astrai's own output ({exclude}); outputs are never read "
+                             f"as input")
         for m in matches:
             if m.is_dir() and not _is_hf_dir(m):
                 skipped: list[Path] = []
-                found = _dir_inputs(pat, m, skipped)
+                found = [f for f in _dir_inputs(pat, m, skipped) if not inside_output(f, exclude)]
+                skipped = [f for f in skipped if not inside_output(f, exclude)]
                 if skipped:
                     names = [str(f.relative_to(m)) for f in skipped]
                     more = f" and {len(names) - 10} more" if len(names) > 10 else ""

@@ -39,11 +39,47 @@ def load_recipe_spec(path: str, overrides=(), kinds: Optional[dict] = None):
     data, marks = load_yaml(path)
     if isinstance(data, dict) and overrides:
         names = list(data.get("stages") or {}) if isinstance(data.get("stages"), dict) else []
+        overrides, pipeline_keys = _split_pipeline_keys(overrides, names)
         try:
             apply_overrides(data, stage_overrides(overrides, names))
         except ValueError as e:
             raise ConfigError(str(path), [Problem("--set", str(e))]) from None
+        _to_preprocess_stages(data, pipeline_keys, path)
     return parse_recipe(data, marks, str(path), kinds), kinds
+
+
+def _split_pipeline_keys(overrides, stage_names) -> tuple[list[str], list[str]]:
+    """`--set preprocessing.max_seq_len=1024` on a recipe means the pipeline of its preprocess stages
+    (a pipeline key that is neither a stage nor a recipe key); `pipeline.KEY=...` says so explicitly."""
+    from astrai.config import Pipeline
+    from astrai.recipe.spec import TOP_KEYS
+
+    stage, pipe = [], []
+    for expr in overrides:
+        head = expr.split("=", 1)[0].split(".", 1)[0].strip()
+        if head == "pipeline" and "pipeline" not in stage_names:
+            pipe.append(expr.split(".", 1)[1] if "." in expr.split("=", 1)[0] else expr)
+        elif head in Pipeline.model_fields and head not in stage_names and head not in TOP_KEYS:
+            pipe.append(expr)
+        else:
+            stage.append(expr)
+    return stage, pipe
+
+
+def _to_preprocess_stages(data: dict, pipeline_keys: list[str], path):
+    """Append pipeline overrides to every preprocess stage's own (after them, so the command line wins);
+    their errors are then named by their `--set` (astrai.config.loading.validate_data)."""
+    from astrai.config import Problem
+
+    if not pipeline_keys:
+        return
+    stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
+    targets = [opts for name, opts in stages.items() if isinstance(opts, dict) and opts.get("kind", name) == "preprocess"]
+    if not targets:
+        raise ConfigError(str(path), [Problem(f"--set {o}", "a pipeline key, but this recipe has no preprocess stage")
+                                      for o in pipeline_keys])
+    for opts in targets:
+        opts["overrides"] = list(opts.get("overrides") or []) + pipeline_keys
 
 
 def run(args) -> int:

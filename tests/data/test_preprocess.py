@@ -209,11 +209,9 @@ def test_refuses_foreign_output_dir(tmp_path, tiny_tokenizer):
 @pytest.mark.parametrize("old", ["interrupted", "complete"])
 def test_killed_while_replacing_an_old_output(tmp_path, tiny_tokenizer, monkeypatch, old, read_rows):
     # Run A leaves an output (interrupted after every partition is done, or complete); run B, with
-    # another pipeline, is killed while it deletes that output, right after the shards went. A
+    # another pipeline, is killed while it deletes that output, right after its first shard went. A
     # rerun of A must not take the leftovers for its own (resume into, or "up to date" over) a
     # directory whose shards are gone.
-    import shutil
-
     import astrai.data.preprocess.run as pre
 
     data = tmp_path / "d.jsonl"
@@ -233,15 +231,15 @@ def test_killed_while_replacing_an_old_output(tmp_path, tiny_tokenizer, monkeypa
     else:
         run(a, out)
     assert list((out / "data").glob("*.parquet"))
-    rmtree = shutil.rmtree
+    unlink = os.unlink
 
-    def rmtree_then_die(path, *args, **kw):
-        rmtree(path, *args, **kw)
-        if Path(path).name == "data":
-            raise KeyboardInterrupt  # SIGKILL right here
+    def unlink_then_die(path, *args, **kw):
+        unlink(path, *args, **kw)
+        if str(path).endswith(".parquet"):
+            raise KeyboardInterrupt  # SIGKILL right here, the first shard gone, the others still there
 
     with monkeypatch.context() as m:
-        m.setattr(pre.shutil, "rmtree", rmtree_then_die)
+        m.setattr(pre.os, "unlink", unlink_then_die)
         with pytest.raises(KeyboardInterrupt):
             run(b, out)
     run(a, out)
@@ -253,7 +251,8 @@ def test_stale_temporary_files_in_the_output_root_are_removed(tmp_path, tiny_tok
     data = tmp_path / "d.jsonl"
     data.write_text(chat_records(20))
     out = tmp_path / "o"
-    (out / ".work").mkdir(parents=True)
+    run_preprocess(pipeline(min_chars=3), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1,
+                   log=lambda s: None)
     (out / ".manifest.json.tmp-12345").write_text("{")  # a run killed while writing its manifest
     run_preprocess(pipeline(), [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1, log=lambda s: None)
     assert not list(out.rglob(".*.tmp-*"))

@@ -81,7 +81,9 @@ def grpo_line(*rewards):
 
 
 def test_non_finite_and_out_of_range_rewards_are_rejected(tmp_path, tiny_tokenizer):
-    pipe = load_pipeline(ROOT / "pipelines" / "grpo_chatml.yaml", ("preprocessing.on_error=skip",))
+    # most lines are bad on purpose: no reject-share limit here
+    pipe = load_pipeline(ROOT / "pipelines" / "grpo_chatml.yaml",
+                         ("preprocessing.on_error=skip", "preprocessing.max_reject_share=1.0"))
     lines = [grpo_line(0.8, 1), grpo_line(float("nan"), 1), grpo_line(0.5, float("inf")),
              grpo_line(float("-inf")), grpo_line(1e39), grpo_line(-3.5e38), grpo_line(3.4e38), grpo_line(10 ** 400)]
     _, out, stats, rejects = run(tmp_path, pipe, lines, tiny_tokenizer)

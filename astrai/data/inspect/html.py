@@ -35,7 +35,8 @@ h1{font-size:17px;margin:0 0 4px}h2{font-size:15px;margin:0 0 6px}.sub{color:#55
 .head.doc{color:#6b3fa0;border-top-color:#d2c4e6}.src{font-weight:600;margin-top:8px}
 .cmp{display:grid;grid-template-columns:1fr 1fr;gap:0 18px}.cmp>div{min-width:0}
 table.stats{border-collapse:collapse;font-size:13px}table.stats td{padding:2px 10px 2px 0;vertical-align:top}
-.hist td.bar{width:320px}.hist .b{background:#4c8bf5;height:12px;border-radius:2px}
+.toc a{color:#0b6b8a;text-decoration:none;white-space:nowrap}.toc a:hover{text-decoration:underline}
+section.card{scroll-margin-top:120px}.hist td.bar{width:320px}.hist .b{background:#4c8bf5;height:12px;border-radius:2px}
 """
 
 _JS = """document.addEventListener('mouseover',function(e){var t=e.target.closest&&e.target.closest('.t');
@@ -112,6 +113,14 @@ def _stats_html(s: dict, title: str) -> str:
                f"{bars}</table>" if bars else "") + "</section>")
 
 
+def _toc_html(report: Report) -> str:
+    """Jump links: the statistics, then every record or row with its status (a long report is one page)."""
+    links = ['<a href="#stats">statistics</a>'] if report.stats else []
+    links += [f'<a href="#e{k}">{e.kind} {e.index} <span class="status {e.status}">{_h(status_text(e).lower())}'
+              f'</span></a>' for k, e in enumerate(report.entries)]
+    return f'<nav class="card toc" id="contents"><h2>contents</h2>{" · ".join(links)}</nav>' if links else ""
+
+
 def render_html(report: Report) -> str:
     other = report.other
     legend = ('<span class="t tr">trained</span><span class="t">masked</span><span class="t sp">&lt;special&gt;</span>'
@@ -121,9 +130,10 @@ def render_html(report: Report) -> str:
     body = [f'<header><h1>astrai inspect</h1><div class="sub">{sub}</div><div class="legend">{legend}</div>'
             f'<div id="info">hover a token for its id, position, document and label</div></header><main>']
     body += [f'<div class="card note">{_h(n)}</div>' for n in report.notes]
+    body.append(_toc_html(report))
     if report.stats:
         title = "dataset statistics" if report.is_dataset else "statistics of the records shown" + " (A)" * bool(other)
-        body.append(_stats_html(report.stats, title))
+        body.append(_stats_html(report.stats, title).replace("<section ", '<section id="stats" ', 1))
     for k, e in enumerate(report.entries):
         if other is not None:
             inner = _compare_html(e, other.entries[k], report, other)
@@ -131,7 +141,7 @@ def render_html(report: Report) -> str:
             inner = _entry_head_html(e) + "".join(
                 (f'<div class="src">{_h(v.label)}</div>' if v.label else "")
                 + f'<div class="seq">{_tokens_html(v, None)}</div>' for v in e.seqs)
-        body.append(f'<section class="card">{inner}</section>')
+        body.append(f'<section class="card" id="e{k}">{inner}</section>')
     csp = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{csp}">'

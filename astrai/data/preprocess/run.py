@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from functools import partial
@@ -22,14 +23,17 @@ from astrai import __version__
 from astrai.config.pipeline import Pipeline
 from astrai.data.errors import InputError
 from astrai.data.preprocess.job import WORK, Job, Worker
+from astrai.data.preflight import check_reject_share, check_template_markers
 from astrai.data.preprocess.pack import pack_globally
+from astrai.data.preprocess.summary import summary_lines
 from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition
 from astrai.data.process import Processor
 from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_partitions
 from astrai.data.stats import dataset_stats
 from astrai.data.template import resolve_template
 from astrai.data.tokenizer import load_tokenizer
-from astrai.runtime import atomic_write_text, is_done, read_marker, remove_stale_tmp, run_tasks
+from astrai.runtime import (OUTPUT_MARKER, OutputBusy, Progress, atomic_write_text, claim_output, file_identity,
+                            is_done, is_ours, marker_info, output_lock, read_marker, remove_stale_tmp, run_tasks)
 
 FORMAT_VERSION = 1
 
@@ -39,43 +43,66 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
                    log: Callable[[str], None] = print, executor: str = "local",
                    ray_address: Optional[str] = None) -> dict:
     """executor "local": a process pool of `workers`; "ray": the same tasks on the Ray cluster at
-    `ray_address` (astrai.runtime_ray), byte-identical output. Options: astrai.config.stages.PreprocessOptions."""
+    `ray_address` (astrai.runtime_ray), byte-identical output. Options: astrai.config.stages.PreprocessOptions.
+    The output directory is locked for the whole run (astrai.runtime.output_lock): one writer at a time."""
     if executor == "ray":
         from astrai.runtime_ray import import_ray
 
         import_ray()  # without the extra, say so before any work
     elif executor != "local":
         raise InputError(f"executor '{executor}': use local or ray")
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers {workers}: give 1 or more worker processes (or leave it out: one per core)")
+    try:
+        lock = output_lock(Path(out))
+        lock.__enter__()
+    except (OutputBusy, NotADirectoryError) as e:
+        raise InputError(str(e)) from None
+    except OSError as e:
+        raise InputError(f"output {out}: {e.strerror or e}; choose another -o") from None
+    try:  # the lock goes with this process on any exit
+        return _run_locked(pipeline, inputs, out, tokenizer, workers, base_dir, log, executor, ray_address)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str], workers: Optional[int],
+                base_dir: Optional[str], log: Callable[[str], None], executor: str,
+                ray_address: Optional[str]) -> dict:
     base_dir = str(base_dir or os.getcwd())
     tok_spec = tokenizer or pipeline.tokenizer
     if not tok_spec:
         raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
     tok = load_tokenizer(tok_spec, base_dir)
     template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
+    outp = Path(out)
     warnings: list[str] = []  # skipped or empty inputs, ignored settings: said, not ignored
     pp = pipeline.preprocessing
     if pp.max_packed_len is not None and pp.packing_strategy == "none":
         # a warning, not an error: `--set preprocessing.packing_strategy=none` on a packing pipeline is common
         warnings.append(f"preprocessing.max_packed_len ({pp.max_packed_len}) is ignored with packing_strategy: none "
                         f"(one document per row); set a packing_strategy to pack")
-    files = expand_inputs(inputs, warnings=warnings)  # relative to the working directory (recipes join their base)
+    # relative to the working directory (recipes join their base); never our own output
+    files = expand_inputs(inputs, exclude=outp, warnings=warnings)
     for w in warnings:
         log(f"warning: {w}")
+    identity = file_identity(files)  # before the digests: a change after it is seen at the end
     digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
     parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
     fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests)
-    outp = Path(out)
     manifest = outp / "manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
+    if is_ours(outp) and manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
         shutil.rmtree(outp / WORK, ignore_errors=True)  # left if a run died right after its manifest
         log(f"{out}: up to date (fingerprint {fp[:12]}), nothing to do")
         return json.loads((outp / "stats.json").read_text())
-    prepare_output_dir(outp, fp)
     job = Job(pipeline, str(tok.path), base_dir, str(outp))
     workers = max(1, workers or os.cpu_count() or 1)
     # built once here (no encoding yet) from the tokenizer and template already loaded; forked
     # workers inherit it, spawned ones (and Ray workers) build their own from the job
     worker = Worker(job, Processor(pipeline, tok, base_dir, template))
+    # before any work (and before an old output is replaced): a missing marker token rejects every record
+    check_template_markers(worker.processor)
+    prepare_output_dir(outp, fp, log)
     with _task_runner(executor, ray_address, log) as (run, cluster):
         if cluster is not None:
             cluster.check_nodes(_needed_paths(files, job, template), outp)
@@ -85,14 +112,25 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
         if pipeline.preprocessing.max_items is not None:
             _tokenize_in_order(worker, parts, run)
         else:
+            progress = Progress(len(todo), "partitions")
+
+            def done(task):  # counts from the partition's completion marker
+                summary = read_marker(job.marker(task.part.name))
+                progress.update(1, records=summary.get("read", 0), tokens=summary.get("tokens", 0))
+
             run(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
-                setup=partial(Worker.build, job), context=worker, what="partitions", log=log)
+                setup=partial(Worker.build, job), context=worker, what="partitions", log=log,
+                **({"on_done": done} if cluster is None else {}))
+            progress.close()
+        _check_unchanged(outp, files, identity)
         summaries = [read_marker(job.marker(p.name)) for p in parts]
         packing = pack_globally(job, parts, workers, worker, log, run) if job.global_pack else None
     stats = dataset_stats(pipeline, summaries, packing)
-    shards = sorted(str(p.relative_to(outp)) for p in (outp / "data").glob("*.parquet"))
+    shards = sorted(str(p.relative_to(outp)) for p in _our_shards(outp))
     _merge_rejects(outp, parts)
     atomic_write_text(outp / "stats.json", json.dumps(stats, indent=2) + "\n")  # keys in reading order
+    # no manifest when too much was rejected: a rerun must fail again, not say "up to date"
+    check_reject_share(stats, pipeline.preprocessing.max_reject_share, str(outp / "rejects.jsonl"))
     man = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fp,
@@ -107,8 +145,8 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     }
     atomic_write_text(manifest, json.dumps(man, indent=2, sort_keys=True) + "\n")  # the run's completion marker
     shutil.rmtree(outp / WORK, ignore_errors=True)
-    log(f"{out}: {stats['records_kept']} records kept of {stats['records_read']} read, {stats['rows']} rows, "
-        f"{stats['tokens']} tokens ({stats['trained_tokens']} trained) in {len(shards)} shard(s)")
+    for line in summary_lines(stats, out, len(shards)):
+        log(line)
     return stats
 
 
@@ -131,27 +169,31 @@ def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[
     return h.hexdigest()
 
 
-def prepare_output_dir(outp: Path, fp: str):
+SHARD_NAME = re.compile(r"(part-\d{5}-\d{4}|packed-\d{5})\.parquet")  # what the passes write under data/
+
+
+def _our_shards(outp: Path) -> list[Path]:
+    data = outp / "data"
+    return sorted(f for f in data.iterdir() if SHARD_NAME.fullmatch(f.name)) if data.is_dir() else []
+
+
+def prepare_output_dir(outp: Path, fp: str, log: Callable[[str], None] = print):
     """Make `outp` ready for a run of fingerprint `fp`: keep a resumable run of the same fingerprint,
-    remove an output of another one, refuse a directory that is not an astrai output."""
+    replace an output of another one, refuse a directory astrai did not write (its ownership
+    marker, astrai.runtime.OUTPUT_MARKER, is the only proof: nothing in another directory is touched)."""
     work = outp / WORK
-    if outp.exists() and any(outp.iterdir()):
-        ours = any((outp / n).exists() for n in ("manifest.json", "stats.json", WORK))
-        if not ours:
-            raise InputError(f"output {outp} exists, is not empty and is not an astrai output; choose another -o")
-        stale = not (work / "fingerprint").exists() or (work / "fingerprint").read_text() != fp
-        if stale:  # another pipeline/input/tokenizer: the old output is invalid
-            # Markers go first, shards after: killed half-way, the leftovers must never read as done
-            # (a manifest saying "up to date", or .work/fingerprint resuming into partitions whose
-            # shards are gone), and .work itself stays until the shards are gone so the directory
-            # is still recognised as ours.
-            for name in ("manifest.json", f"{WORK}/fingerprint", "data", WORK, "stats.json", "rejects.jsonl"):
-                target = outp / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
-    (outp / "manifest.json").unlink(missing_ok=True)
+    if not is_ours(outp):
+        if outp.exists() and any(outp.iterdir()):
+            raise InputError(f"output {outp} exists, is not empty and is not an astrai output (no {OUTPUT_MARKER} "
+                             f"marker); nothing in it was touched: choose another -o, or an empty directory")
+        claim_output(outp, {"fingerprint": fp})
+    stale = not (work / "fingerprint").exists() or (work / "fingerprint").read_text() != fp
+    if stale:  # another pipeline/input/tokenizer: the old output is invalid
+        old = marker_info(outp).get("fingerprint")
+        if (outp / "manifest.json").exists() or _our_shards(outp):
+            log(f"{outp}: replacing an existing output of another fingerprint ({str(old)[:12]}) with {fp[:12]}")
+        _wipe(outp)
+    claim_output(outp, {"fingerprint": fp})
     work.mkdir(parents=True, exist_ok=True)
     (outp / "data").mkdir(exist_ok=True)
     remove_stale_tmp(outp)  # stats.json, manifest.json and rejects.jsonl are written under temporary names too
@@ -159,6 +201,40 @@ def prepare_output_dir(outp: Path, fp: str):
     remove_stale_tmp(work)
     if not (work / "fingerprint").exists():
         atomic_write_text(work / "fingerprint", fp)
+
+
+def _wipe(outp: Path):
+    """Remove a previous output of ours: only what astrai writes (the manifest's shards, shards by our
+    naming rule from an unfinished run, .work, stats.json, rejects.jsonl); anything else stays.
+    Markers go first, shards after: killed half-way, the leftovers must never read as done (a
+    manifest saying "up to date", or .work/fingerprint resuming into partitions whose shards are gone)."""
+    manifest = outp / "manifest.json"
+    listed: list[Path] = []
+    if manifest.exists():
+        try:
+            listed = [outp / s for s in json.loads(manifest.read_text()).get("shards", [])]
+        except ValueError:
+            listed = []
+        manifest.unlink()
+    (outp / WORK / "fingerprint").unlink(missing_ok=True)
+    data = (outp / "data").resolve()
+    for f in sorted(set(listed) | set(_our_shards(outp))):
+        if f.resolve().parent == data and f.is_file():  # a manifest cannot point outside data/
+            os.unlink(f)
+    shutil.rmtree(outp / WORK, ignore_errors=True)  # our scratch folder: markers, intermediates
+    for name in ("stats.json", "rejects.jsonl"):
+        (outp / name).unlink(missing_ok=True)
+
+
+def _check_unchanged(outp: Path, files: list[Path], identity: dict):
+    """Fail when an input changed while it was read. The partitions read from it are not trusted
+    either: .work/fingerprint goes, so the rerun starts over instead of resuming into them."""
+    now = file_identity(files)
+    changed = sorted(f for f in identity.keys() | now.keys() if identity.get(f) != now.get(f))
+    if changed:
+        (outp / WORK / "fingerprint").unlink(missing_ok=True)
+        raise InputError(f"input {changed[0]}" + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
+                         + " changed while it was being read; nothing was marked done: rerun once it is complete")
 
 
 @contextmanager

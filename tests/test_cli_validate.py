@@ -1,0 +1,55 @@
+"""`astrai validate`: tokenizer, template and inputs are checked without running; --deep reads N records."""
+
+import json
+import textwrap
+
+from astrai.cli import main
+
+
+def write_pipeline(tmp_path, tok, template="chatml"):
+    p = tmp_path / "pipe.yaml"
+    p.write_text(textwrap.dedent(f"""\
+        version: 1
+        tokenizer: {tok}
+        chat_template: {template}
+        input:
+          sections:
+            - {{field: messages, action: $role, template: true}}
+        preprocessing: {{on_error: skip}}
+        """))
+    return p
+
+
+def test_missing_inputs_tokenizer_and_template_are_problems(tmp_path, tiny_tokenizer, capsys):
+    p = write_pipeline(tmp_path, tmp_path / "no-such-tok")
+    assert main(["validate", str(p)]) == 1
+    assert "no-such-tok" in capsys.readouterr().out
+    p = write_pipeline(tmp_path, tiny_tokenizer, "missing.jinja")
+    assert main(["validate", str(p)]) == 1
+    assert "missing.jinja" in capsys.readouterr().out
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")
+    p = write_pipeline(tmp_path, tiny_tokenizer, "broken.jinja")
+    assert main(["validate", str(p)]) == 1
+    assert "broken.jinja" in capsys.readouterr().out
+    (tmp_path / "foo.jinja").write_text("{% for m in messages %}<|foo|>{{ m.content }}<|im_end|>{% endfor %}")
+    p = write_pipeline(tmp_path, tiny_tokenizer, "foo.jinja")
+    assert main(["validate", str(p)]) == 1
+    assert "'<|foo|>' is not a single token" in capsys.readouterr().out
+    r = tmp_path / "r.yaml"
+    write_pipeline(tmp_path, tiny_tokenizer)
+    r.write_text("version: 1\npreprocess: {pipeline: pipe.yaml, inputs: [gone.jsonl], output: o}\n")
+    assert main(["validate", str(r)]) == 1
+    assert "gone.jsonl" in capsys.readouterr().out
+
+
+def test_deep_reports_rejects_and_trained_share(tmp_path, tiny_tokenizer, capsys):
+    p = write_pipeline(tmp_path, tiny_tokenizer)
+    data = tmp_path / "d.jsonl"
+    good = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "good fine"}]}
+    bad = {"messages": [{"role": "asistant", "content": "x"}]}
+    data.write_text("".join(json.dumps(bad if i % 4 == 3 else good) + "\n" for i in range(40)))
+    assert main(["validate", str(p), "-i", str(data), "--deep", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "first 20 records: 15 kept, 0 filtered, 5 rejected" in out
+    assert "rejected " in out and "trained share" in out
+    assert not list(tmp_path.glob("out*"))  # nothing written next to the data
