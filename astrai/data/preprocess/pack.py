@@ -2,12 +2,15 @@
 
 Bins are planned from the document lengths of every partition (the only thing held for all
 documents); consecutive bins make a shard until max_tokens_per_shard; each shard is one task
-that gathers its pieces from the memory-mapped intermediates into `data/packed-KKKKK.parquet`.
+that gathers its pieces from the intermediates into `data/packed-KKKKK.parquet`, a row group at a
+time, one pread per piece (never a mapping of a whole file), so memory stays bounded by a row
+group whatever the input size.
 A shard is done when its final name exists, so a rerun writes only the missing ones.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -17,6 +20,7 @@ import numpy as np
 
 from astrai.data.packing import plan_bins
 from astrai.data.preprocess.job import Job, Worker
+from astrai.data.preprocess.shards import TOKEN_DTYPE, token_file
 from astrai.data.read import Partition
 from astrai.data.write import ShardWriter, rows_columns
 from astrai.runtime import run_tasks
@@ -86,44 +90,77 @@ def shard_ranges(bin_tokens: np.ndarray, max_tokens: int) -> list[tuple[int, int
 
 
 def write_packed_shard(worker: Worker, task: ShardTask):
+    """Gather and write the shard a row group at a time: memory is one row group's tokens (the
+    pieces read with pread, then their columns), whatever the shard's or the input's size. Row
+    groups are the ones a single write of the whole table would make (row_group_rows bins each)."""
     import pyarrow as pa
 
     job = worker.job
-    tables = {}
-
-    def table(i):
-        if i not in tables:
-            path = job.work / f"{task.part_names[i]}.arrow"
-            tables[i] = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-        return tables[i]
-
     o = job.pipeline.output
-    has_labels = None
-    ids_out, lab_out = [], []
-    for j in range(len(task.piece_part)):
-        t = table(int(task.piece_part[j]))
-        if has_labels is None:
-            has_labels = LABELS in t.column_names
-        row, s, n = int(task.piece_row[j]), int(task.piece_start[j]), int(task.piece_len[j])
-        ids_out.append(_list_slice(t.column(INPUT_IDS), row, s, n))
-        if has_labels:
-            lab_out.append(_list_slice(t.column(LABELS), row, s, n))
-    cols = rows_columns(ids_out, lab_out if has_labels else None, task.piece_len, task.bin_offsets,
-                        o.position_ids_mode, packed=True)
+    parts: dict[int, Intermediate] = {}
+
+    def part(i: int) -> Intermediate:
+        if i not in parts:
+            parts[i] = Intermediate(job.work, task.part_names[i])
+        return parts[i]
+
+    has_labels = len(task.piece_part) > 0 and part(int(task.piece_part[0])).has_labels
+    n_bins = len(task.bin_offsets) - 1
     w = ShardWriter(Path(task.path), o.row_group_rows)
     try:
-        w.write(pa.table(cols))
+        for b0 in range(0, n_bins, o.row_group_rows):
+            b1 = min(b0 + o.row_group_rows, n_bins)
+            p0, p1 = int(task.bin_offsets[b0]), int(task.bin_offsets[b1])
+            ids_out, lab_out = [], []
+            for j in range(p0, p1):
+                src = part(int(task.piece_part[j]))
+                row, s, n = int(task.piece_row[j]), int(task.piece_start[j]), int(task.piece_len[j])
+                ids_out.append(src.read(INPUT_IDS, row, s, n))
+                if has_labels:
+                    lab_out.append(src.read(LABELS, row, s, n))
+            cols = rows_columns(ids_out, lab_out if has_labels else None, task.piece_len[p0:p1],
+                                task.bin_offsets[b0:b1 + 1] - p0, o.position_ids_mode, packed=True)
+            del ids_out, lab_out
+            w.write(pa.table(cols))
+            del cols
         w.close()
     except BaseException:
         w.abort()
         raise
+    finally:
+        for src in parts.values():
+            src.close()
 
 
-def _list_slice(col, row: int, start: int, n: int) -> np.ndarray:
-    chunk_row = row
-    for chunk in col.chunks:
-        if chunk_row < len(chunk):
-            off = chunk.offsets[chunk_row].as_py()
-            return chunk.values.slice(off + start, n).to_numpy(zero_copy_only=False)
-        chunk_row -= len(chunk)
-    raise IndexError(row)
+class Intermediate:
+    """One partition's token files, read a piece at a time with pread.
+
+    Never memory-mapped: in bfd order a shard's pieces are scattered over every partition, and a
+    mapping makes each touched page (a whole large folio on recent kernels) resident in this
+    process, so RSS would grow with the intermediate's size. pread copies just the piece.
+    """
+
+    def __init__(self, work: Path, part_name: str):
+        lengths = np.load(work / f"{part_name}.lengths.npy")
+        self.starts = np.concatenate([[0], np.cumsum(lengths)])  # token offset of each document
+        self.fds = {}
+        for column in (INPUT_IDS, LABELS):
+            path = token_file(work, part_name, column)
+            if path.exists():
+                self.fds[column] = os.open(path, os.O_RDONLY)
+
+    @property
+    def has_labels(self) -> bool:
+        return LABELS in self.fds
+
+    def read(self, column: str, row: int, start: int, n: int) -> np.ndarray:
+        size = n * TOKEN_DTYPE.itemsize
+        data = os.pread(self.fds[column], size, int(self.starts[row] + start) * TOKEN_DTYPE.itemsize)
+        if len(data) != size:
+            raise EOFError(f"intermediate {column} file is short: {len(data)} of {size} bytes")
+        return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}

@@ -5,8 +5,8 @@
   are written a row group at a time; a new shard starts once a shard holds max_tokens_per_shard.
   Memory is one batch plus one row group.
 - `IntermediateSink`: global packing (bfd, bfd_split) needs every document's length before any
-  bin is known, so documents go to `.work/PPPPP.arrow` (memory-mapped by the packing pass) and
-  their lengths to `.work/PPPPP.lengths.npy`.
+  bin is known, so documents go to flat token files `.work/PPPPP.input_ids.bin` / `.labels.bin` (read a
+  piece at a time by the packing pass) and their lengths to `.work/PPPPP.lengths.npy`.
 
 Simple packing is planned by astrai.data.packing.plan_bins("simple") like every strategy. It is
 streamed: documents wait in `pending` until a chunk is planned; every bin but the last (still
@@ -158,16 +158,24 @@ def multi_output_table(outs: list[RecordOutput], proc: Processor):
     return pa.table(cols)
 
 
+# The intermediate's token files: each column's int32 tokens, documents back to back in partition
+# order; document d starts at sum(lengths[:d]). A flat layout lets the packing pass read any piece
+# with one pread at a computed offset (the values are int32 in the shards too, so no cast is lost).
+TOKEN_DTYPE = np.dtype("<i4")
+
+
+def token_file(work: Path, part_name: str, column: str) -> Path:
+    return work / f"{part_name}.{column}.bin"
+
+
 class IntermediateSink:
-    """Documents to `.work/PPPPP.arrow` (input_ids, labels) plus their lengths, for global packing."""
+    """Documents to `.work/PPPPP.input_ids.bin` (and `.labels.bin` when labelled) plus their lengths
+    to `.work/PPPPP.lengths.npy`, for global packing. The lengths file is written last: once it
+    exists the token files are complete."""
 
     def __init__(self, job: Job, part: Partition):
-        import pyarrow as pa
-
-        self.pa = pa
-        self.path = job.work / f"{part.name}.arrow"
-        self.tmp = tmp_name(self.path)
-        self.writer = None
+        self.work, self.part_name = job.work, part.name
+        self.files: dict = {}  # column -> open temporary file, created on the first flush
         self.lengths: list[int] = []
         self.pending: list[TokenSeq] = []
 
@@ -179,29 +187,29 @@ class IntermediateSink:
     def _flush(self):
         if not self.pending:
             return
-        pa = self.pa
-        lens = np.array([len(s) for s in self.pending], dtype=np.int64)
-        labels = [s.labels for s in self.pending] if self.pending[0].labels is not None else None
-        table = pa.table(rows_columns([s.input_ids for s in self.pending], labels, lens,
-                                      np.arange(len(lens) + 1), "none", with_seq_lens=False))
-        if self.writer is None:
-            self.writer = pa.ipc.new_file(str(self.tmp), table.schema)
-        self.writer.write_table(table)
-        self.lengths.extend(lens.tolist())
+        cols = {INPUT_IDS: [s.input_ids for s in self.pending]}
+        if self.pending[0].labels is not None:
+            cols[LABELS] = [s.labels for s in self.pending]
+        for column, arrays in cols.items():
+            if column not in self.files:
+                self.files[column] = open(tmp_name(token_file(self.work, self.part_name, column)), "wb")
+            self.files[column].write(concat(arrays).astype(TOKEN_DTYPE, copy=False).tobytes())
+        self.lengths.extend(len(s) for s in self.pending)
         self.pending = []
 
     def finish(self) -> dict:
         self._flush()
-        if self.writer is not None:
-            self.writer.close()
-            os.replace(self.tmp, self.path)
-        atomic_write_bytes(self.path.with_suffix(".lengths.npy"), _npy(np.array(self.lengths, dtype=np.int64)))
+        for column, f in self.files.items():
+            f.close()
+            os.replace(f.name, token_file(self.work, self.part_name, column))
+        atomic_write_bytes(self.work / f"{self.part_name}.lengths.npy",
+                           _npy(np.array(self.lengths, dtype=np.int64)))
         return {"docs": len(self.lengths)}
 
     def abort(self):
-        if self.writer is not None:
-            self.writer.close()
-        self.tmp.unlink(missing_ok=True)
+        for f in self.files.values():
+            f.close()
+            Path(f.name).unlink(missing_ok=True)
 
 
 def _npy(a: np.ndarray) -> bytes:
