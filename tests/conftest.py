@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import tempfile
@@ -29,7 +30,6 @@ def repo_root():
 
 def make_tiny_tokenizer(path):
     """A small byte-level BPE trained in the test run (hermetic: no hub, no package data)."""
-    import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -46,6 +46,31 @@ def make_tiny_tokenizer(path):
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     return path
+
+
+@pytest.fixture(scope="session")
+def chitchat_chats():
+    """chitchat_chats(n): the first n chitchat-dataset conversations (MIT, an optional test extra) as
+    alternating user/assistant messages ending with an assistant turn; skips without the package."""
+    chitchat_dataset = pytest.importorskip("chitchat_dataset")
+    data = json.load(open(os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json"), encoding="utf-8"))
+
+    def chats(n):
+        out = []
+        for key in sorted(data):
+            msgs = []
+            for turn in data[key]["messages"]:
+                text = " ".join(m["text"] for m in turn)
+                if text.strip():
+                    msgs.append({"role": ("user", "assistant")[len(msgs) % 2], "content": text})
+            while msgs and msgs[-1]["role"] != "assistant":
+                msgs.pop()
+            if msgs:
+                out.append(msgs)
+            if len(out) == n:
+                break
+        return out
+    return chats
 
 
 @pytest.fixture(scope="session")

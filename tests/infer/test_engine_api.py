@@ -1,7 +1,5 @@
 """Engine API: streaming, stop strings and ids, seeds, chat prompts, logprobs, abort, errors."""
 
-import json
-import shutil
 
 import pytest
 import torch
@@ -10,22 +8,8 @@ from astrai.data.template import TEMPLATE_DIR
 from astrai.infer.engine import Engine, EngineOptions
 from astrai.infer.request import SamplingParams
 from astrai.infer.scheduler import RequestTooLarge
-from astrai.model import CausalLM, ModelConfig, save_model
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello how are you"}]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_tokenizer):
-    """A tiny random model directory with the test tokenizer and a ChatML template in tokenizer_config."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ckpt")
-    save_model(CausalLM(ModelConfig.preset("tiny", initializer_range=0.1, eos_token_id=None)), path)
-    shutil.copy(tiny_tokenizer / "tokenizer.json", path / "tokenizer.json")
-    template = (TEMPLATE_DIR / "chatml.jinja").read_text()
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                            "chat_template": template}))
-    return path
 
 
 @pytest.fixture

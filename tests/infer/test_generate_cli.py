@@ -1,27 +1,12 @@
 """`astrai generate`: streaming one prompt, JSONL in/out for batches, options and input errors."""
 
 import json
-import shutil
 
 import pytest
-import torch
 
 from astrai.cli import main
-from astrai.data.template import TEMPLATE_DIR
 from astrai.infer.engine import Engine, EngineOptions
 from astrai.infer.request import SamplingParams
-from astrai.model import CausalLM, ModelConfig, save_model
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_tokenizer):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ckpt")
-    save_model(CausalLM(ModelConfig.preset("tiny", initializer_range=0.1, eos_token_id=None)), path)
-    shutil.copy(tiny_tokenizer / "tokenizer.json", path / "tokenizer.json")
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "chat_template": (TEMPLATE_DIR / "chatml.jinja").read_text()}))
-    return path
 
 
 def reference(checkpoint, prompts, params):

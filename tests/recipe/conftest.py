@@ -158,3 +158,14 @@ def load(path, kinds, overrides=()):
 @pytest.fixture
 def load_recipe():
     return load
+
+
+def sft_pipeline_text(preprocessing: str) -> str:
+    """The ChatML SFT pipeline the recipe tests write next to their recipes, with its preprocessing block."""
+    return ("version: 1\nchat_template: chatml\ninput:\n  sections: [{field: messages, action: $role, template: true}]\n"
+            f"mask: {{user: mask, assistant: train}}\nmask_default: mask\npreprocessing: {preprocessing}\n")
+
+
+@pytest.fixture
+def sft_pipeline():
+    return sft_pipeline_text

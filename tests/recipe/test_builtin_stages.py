@@ -4,21 +4,10 @@ import json
 
 import pytest
 
-from astrai.config import ConfigError, apply_overrides, load_yaml
-from astrai.recipe.builtin import recipe_kinds
+from astrai.config import ConfigError
+from astrai.recipe.command import load_recipe_spec
 from astrai.recipe.preprocess_stage import data_dirs, is_held_out
 from astrai.recipe.runner import Runner
-from astrai.recipe.spec import parse_recipe, stage_overrides
-
-PIPELINE = """\
-version: 1
-chat_template: chatml
-input:
-  sections: [{field: messages, action: $role, template: true}]
-mask: {user: mask, assistant: train}
-mask_default: mask
-preprocessing: {max_seq_len: 256, packing_strategy: bfd, max_packed_len: 256}
-"""
 
 RECIPE = """\
 version: 1
@@ -31,23 +20,21 @@ stages:
 
 
 @pytest.fixture
-def recipe(tmp_path):
+def recipe(tmp_path, sft_pipeline):
     words = "red green blue cat dog sun moon tree river stone".split()
     with open(tmp_path / "chat.jsonl", "w") as fh:
         for i in range(60):
             q = " ".join(words[(i + j) % 10] for j in range(5))
             fh.write(json.dumps({"id": str(i), "messages": [{"role": "user", "content": f"say {q}"},
                                                             {"role": "assistant", "content": q[::-1]}]}) + "\n")
-    (tmp_path / "sft.yaml").write_text(PIPELINE)
+    (tmp_path / "sft.yaml").write_text(sft_pipeline("{max_seq_len: 256, packing_strategy: bfd, max_packed_len: 256}"))
     (tmp_path / "r.yaml").write_text(RECIPE)
     return tmp_path / "r.yaml"
 
 
 def run(path, overrides=(), **flags):
-    kinds = recipe_kinds()
-    data, marks = load_yaml(path)
-    apply_overrides(data, stage_overrides(overrides, list(data["stages"])))
-    return Runner(parse_recipe(data, marks, str(path), kinds), kinds, log=lambda m: None).run(**flags)
+    spec, kinds = load_recipe_spec(str(path), overrides)
+    return Runner(spec, kinds, log=lambda m: None).run(**flags)
 
 
 def test_held_out_positions_are_spread_evenly():
@@ -75,20 +62,23 @@ def test_tokenizer_then_preprocess_with_holdout(recipe):
     assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2", "tokenizer.vocab_size=420"])["stages"]] \
         == ["ran", "ran"]
     # an edit to the pipeline file is an input change: preprocess reruns, the tokenizer does not
-    (recipe.parent / "sft.yaml").write_text(PIPELINE.replace("max_seq_len: 256", "max_seq_len: 200"))
+    pipeline = recipe.parent / "sft.yaml"
+    pipeline.write_text(pipeline.read_text().replace("max_seq_len: 256", "max_seq_len: 200"))
     assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2", "tokenizer.vocab_size=420"])["stages"]] \
         == ["skipped", "ran"]
 
 
 def test_bad_pipeline_and_missing_tokenizer_are_refused_before_work(recipe):
-    (recipe.parent / "sft.yaml").write_text(PIPELINE.replace("max_seq_len", "max_seqlen"))
+    pipeline = recipe.parent / "sft.yaml"
+    good = pipeline.read_text()
+    pipeline.write_text(good.replace("max_seq_len", "max_seqlen"))
     with pytest.raises(ConfigError) as e:
         run(recipe)
     [p] = e.value.problems
     assert p.path == "stages.preprocess.pipeline" and p.line == 6 and "did you mean 'max_seq_len'" in p.message
     assert not (recipe.parent / "run").exists()
 
-    (recipe.parent / "sft.yaml").write_text(PIPELINE)
+    pipeline.write_text(good)
     recipe.write_text(RECIPE.replace(", tokenizer: tokenizer", ""))
     with pytest.raises(ConfigError, match="names no tokenizer"):
         run(recipe)

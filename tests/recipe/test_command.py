@@ -4,16 +4,6 @@ import json
 
 from astrai.cli import main
 
-PIPELINE = """\
-version: 1
-chat_template: chatml
-input:
-  sections: [{field: messages, action: $role, template: true}]
-mask: {user: mask, assistant: train}
-mask_default: mask
-preprocessing: {max_seq_len: 128}
-"""
-
 RECIPE = """\
 version: 1
 name: cli
@@ -23,18 +13,18 @@ stages:
 """
 
 
-def _write(tmp_path):
+def _write(tmp_path, pipeline):
     with open(tmp_path / "chat.jsonl", "w") as fh:
         for i in range(20):
             fh.write(json.dumps({"messages": [{"role": "user", "content": f"count to {i}"},
                                               {"role": "assistant", "content": " ".join(map(str, range(i)))}]}) + "\n")
-    (tmp_path / "sft.yaml").write_text(PIPELINE)
+    (tmp_path / "sft.yaml").write_text(pipeline)
     (tmp_path / "r.yaml").write_text(RECIPE)
     return tmp_path / "r.yaml"
 
 
-def test_run_flags_validate_and_inspect(tmp_path, capsys):
-    recipe = _write(tmp_path)
+def test_run_flags_validate_and_inspect(tmp_path, capsys, sft_pipeline):
+    recipe = _write(tmp_path, sft_pipeline("{max_seq_len: 128}"))
     assert main(["inspect", str(recipe)]) == 1  # the tokenizer is made by running its stage: said so
     assert "--only tokenizer" in capsys.readouterr().err
     assert main(["run", str(recipe)]) == 0

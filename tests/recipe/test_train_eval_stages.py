@@ -17,16 +17,6 @@ from astrai.config import ConfigError  # noqa: E402
 from astrai.recipe.command import load_recipe_spec  # noqa: E402
 from astrai.recipe.runner import Runner  # noqa: E402
 
-PIPELINE = """\
-version: 1
-chat_template: chatml
-input:
-  sections: [{field: messages, action: $role, template: true}]
-mask: {user: mask, assistant: train}
-mask_default: mask
-preprocessing: {max_seq_len: 128, packing_strategy: bfd, max_packed_len: 128}
-"""
-
 DPO_PIPELINE = """\
 version: 1
 chat_template: chatml
@@ -51,7 +41,7 @@ stages:
 
 
 @pytest.fixture
-def recipe(tmp_path):
+def recipe(tmp_path, sft_pipeline):
     words = "red green blue cat dog sun moon tree river stone".split()
     with open(tmp_path / "chat.jsonl", "w") as fh, open(tmp_path / "pairs.jsonl", "w") as pf:
         for i in range(40):
@@ -60,7 +50,7 @@ def recipe(tmp_path):
             fh.write(json.dumps({"messages": [user, {"role": "assistant", "content": q}]}) + "\n")
             pf.write(json.dumps({"prompt": [user], "chosen": [{"role": "assistant", "content": q}],
                                  "rejected": [{"role": "assistant", "content": q[::-1]}]}) + "\n")
-    (tmp_path / "sft.yaml").write_text(PIPELINE)
+    (tmp_path / "sft.yaml").write_text(sft_pipeline("{max_seq_len: 128, packing_strategy: bfd, max_packed_len: 128}"))
     (tmp_path / "dpo.yaml").write_text(DPO_PIPELINE)
     (tmp_path / "r.yaml").write_text(RECIPE)
     return tmp_path / "r.yaml"
