@@ -7,13 +7,14 @@ random: content does not change the cost). Every method trains the same document
 optimizer step (forward + backward + AdamW) per row or batch, each with its own copy of the same
 initial weights, and the methods are interleaved step by step so machine load hits them alike:
 
-- packed:         astrai (segment loop over cu_seqlens, SDPA is_causal + enable_gqa per document)
+- packed:         astrai as `astrai train` runs it (segment loop over cu_seqlens, SDPA is_causal +
+                  enable_gqa per document; the trainer's default LM-head loss mode and chunk)
 - padded-random:  one document per batch row, right-padded, batched causal SDPA, random order
                   (what a default Trainer does), as many batches as packed rows
 - padded-sorted:  the same with documents sorted by length (least padding)
 - hf-packed:      transformers' LlamaForCausalLM on the same packed rows (position ids restarting,
                   no attention mask: its dense block-diagonal mask path), same weights
-- packed-chunked / packed-fused (with --loss-modes): astrai with the chunked and fused LM-head loss
+- packed-full / packed-chunked / packed-fused (with --loss-modes): astrai with each LM-head loss mode
 
 Reported: real (non-pad) tokens/s per method and the ratios of the issue's targets (packed vs
 padded-random >= 1.5, vs padded-sorted >= 0.95, vs hf-packed >= 1.5), and peak RSS and time of one
@@ -38,30 +39,37 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+from astrai.config.train import TrainOptions  # noqa: E402
 from astrai.model import AttentionContext, CausalLM, ModelConfig  # noqa: E402
 from astrai.schema import IGNORE_INDEX  # noqa: E402
 from astrai.train.attention import DocumentLoopContext  # noqa: E402
 from astrai.train.lm_loss import cross_entropy_sum, shift_targets  # noqa: E402
 
+LOSS_MODE = TrainOptions.model_fields["lm_loss"].default  # the trainer's defaults
+LOSS_CHUNK = TrainOptions.model_fields["loss_chunk_tokens"].default
 TARGETS = {"padded-random": 1.5, "padded-sorted": 0.95, "hf-packed": 1.5}
 
 
 def documents(rows: int, row_len: int, seed: int) -> list[list[int]]:
-    """Document lengths per packed row: the first `rows` bins of a BFD plan over real lengths."""
+    """Document lengths per packed row: `rows` bins picked at random (seeded) from a BFD plan over
+    real lengths. Not the plan's first bins: BFD fills those with its longest documents."""
     from packing import real_lengths
 
     from astrai.data.packing import plan_bins
 
     lengths, source = real_lengths()
     rng = np.random.default_rng(seed)
-    n = int(rows * row_len / max(1.0, np.minimum(lengths, row_len).mean()) * 3) + 50
+    n = int(max(rows, 64) * row_len / max(1.0, np.minimum(lengths, row_len).mean()) * 1.5) + 50
     drawn = np.minimum(rng.choice(lengths[lengths > 1], n), row_len)
     plan = plan_bins(drawn, row_len, "bfd")
     off = plan.bin_offsets
     bins = [plan.piece_len[off[b]:off[b + 1]].tolist() for b in range(plan.n_bins)]
+    full = [b for b in bins if sum(b) >= 0.98 * row_len]  # the plan's tail bins are left part-empty
+    picked = [full[i] for i in rng.choice(len(full), rows, replace=False)]
     print(f"lengths: {source}, {len(lengths)} conversations, median {int(np.median(lengths))}, "
-          f"mean {lengths.mean():.0f}; {rows} rows of {row_len}", file=sys.stderr)
-    return bins[:rows]
+          f"mean {lengths.mean():.0f}; {rows} of {len(full)} full rows of {row_len}, "
+          f"{sum(map(len, picked)) / rows:.1f} documents per row", file=sys.stderr)
+    return picked
 
 
 class PaddedContext(AttentionContext):
@@ -96,10 +104,12 @@ def padded_batch(lens, vocab, g):
             "real": sum(lens)}
 
 
-def step_packed(model, opt, batch, mode="full"):
+def step_packed(model, opt, batch, mode=None):
+    """One step as `astrai train` takes it (its default LM-head loss mode and chunk unless `mode`)."""
     h = model(batch["ids"], batch["pos"], DocumentLoopContext(batch["cu"]))
     targets = shift_targets(batch["ids"], batch["cu"])
-    loss = cross_entropy_sum(h, model.lm_head.weight, targets, mode, 1024) / int((targets != IGNORE_INDEX).sum())
+    loss = cross_entropy_sum(h, model.lm_head.weight, targets, mode or LOSS_MODE, LOSS_CHUNK)
+    loss = loss / int((targets != IGNORE_INDEX).sum())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -141,13 +151,13 @@ def config(name: str) -> ModelConfig:
     return ModelConfig(vocab_size=32000, max_position_embeddings=4096, **shapes[name])
 
 
-def measure(name: str, rows: list[list[int]], seed: int, loss_modes: bool) -> dict:
+def measure(name: str, rows: list[list[int]], seed: int, loss_modes: bool, padded_batch_docs: int = 0) -> dict:
     cfg = config(name)
     torch.manual_seed(seed)
     base = CausalLM(cfg)
     g = torch.Generator().manual_seed(seed)
     docs = [n for r in rows for n in r]
-    per = max(1, round(len(docs) / len(rows)))
+    per = padded_batch_docs or max(1, round(len(docs) / len(rows)))  # default: a packed row's documents
     shuffled = [docs[i] for i in np.random.default_rng(seed).permutation(len(docs))]
     ordered = sorted(docs)
     work = {
@@ -159,7 +169,7 @@ def measure(name: str, rows: list[list[int]], seed: int, loss_modes: bool) -> di
         "hf-packed": (step_hf, [packed_batch(r, cfg.vocab_size, g) for r in rows]),
     }
     if loss_modes:
-        for mode in ("chunked", "fused"):
+        for mode in ("full", "chunked", "fused"):
             work[f"packed-{mode}"] = (lambda m, o, b, mode=mode: step_packed(m, o, b, mode), work["packed"][1])
     models = {k: (hf_copy(base) if k == "hf-packed" else copy.deepcopy(base)) for k in work}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
@@ -167,8 +177,10 @@ def measure(name: str, rows: list[list[int]], seed: int, loss_modes: bool) -> di
         fn(models[k], opts[k], batches[0])
     secs = {k: 0.0 for k in work}
     real = {k: 0 for k in work}
+    names = list(work)
     for i in range(max(len(b) for _, b in work.values())):
-        for k, (fn, batches) in work.items():
+        for k in names[i % len(names):] + names[:i % len(names)]:  # each method in each slot of the round in turn
+            fn, batches = work[k]
             if i < len(batches):
                 t = time.perf_counter()
                 fn(models[k], opts[k], batches[i])
@@ -214,7 +226,9 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--loss-modes", action="store_true", help="also interleave packed-chunked and packed-fused")
+    p.add_argument("--padded-batch", type=int, default=0,
+                   help="documents per padded batch (default: as many as a packed row holds on average)")
+    p.add_argument("--loss-modes", action="store_true", help="also interleave packed-full, packed-chunked and packed-fused")
     p.add_argument("--child-memory", nargs=2, metavar=("MODEL", "MODE"))
     p.add_argument("--rows-json", help=argparse.SUPPRESS)  # the parent's documents, for its children
     a = p.parse_args()
@@ -224,7 +238,7 @@ def main():
     rows = documents(a.rows, a.row_len, a.seed)
     results = []
     for name in a.models.split(","):
-        r = measure(name, rows, a.seed, a.loss_modes)
+        r = measure(name, rows, a.seed, a.loss_modes, a.padded_batch)
         print(json.dumps(r), flush=True)
         if not a.no_memory:
             from child import run_child

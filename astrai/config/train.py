@@ -57,8 +57,9 @@ class TrainOptions(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     attention: Literal["auto", "loop", "varlen"] = Field("auto", description="packed attention backend")
     lm_loss: Literal["auto", "full", "chunked", "fused"] = Field(
-        "auto", description="LM head loss: auto = full up to loss_chunk_tokens positions, fused beyond")
-    loss_chunk_tokens: int = Field(4096, ge=1, description="positions per LM-head chunk")
+        "auto", description="LM head loss: auto = full up to loss_chunk_tokens positions, fused beyond "
+        "(fused: fastest and smallest, bench/train.py)")
+    loss_chunk_tokens: int = Field(1024, ge=1, description="positions per LM-head chunk")
     gradient_checkpointing: bool = Field(False, description="recompute layers in backward (less activation memory)")
     compile: bool = Field(False, description="torch.compile the decoder layers (attention loop stays eager)")
 

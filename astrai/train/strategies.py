@@ -41,7 +41,7 @@ class Env:
     dtype: torch.dtype = torch.float32
     attention: str = "auto"
     lm_loss: str = "auto"
-    loss_chunk: int = 4096
+    loss_chunk: int = 1024
 
 
 def unwrap(model):
