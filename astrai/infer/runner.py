@@ -38,6 +38,17 @@ class ModelRunner:
         self.pool = pool
         self.backend = backend
         self.device = torch.device(device)
+        self._head_t: torch.Tensor | None = None
+        self._head_key: tuple | None = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return self.model.logits(hidden)
+        w = self.model.lm_head.weight
+        key = (w.data_ptr(), w._version)
+        if key != self._head_key:
+            self._head_t, self._head_key = w.detach().t().contiguous(), key
+        return hidden @ self._head_t
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext, list[int]]:
         ids, rows, positions, kv_lens, pages, last = [], [], [], [], [], []
@@ -65,4 +76,4 @@ class ModelRunner:
         hidden = self.model(ids, pos, ctx)
         if not last:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(last, device=hidden.device)]).float()
+        return self.logits(hidden[torch.tensor(last, device=hidden.device)]).float()

@@ -76,13 +76,32 @@ def draw(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return (probs / race).argmax(-1)
 
 
+def first_argmax(x: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """x [B, V] -> index of the first maximum of each row (argmax's answer). On CPU, max with indices
+    over a 129k vocabulary runs at about a third of the speed of amax: take the per-block amax, find
+    the first block holding the row maximum, and search only that block (0.46 ms against 0.98 ms
+    at [16, 129282], one thread); a decode step pays this once."""
+    r, n = x.shape
+    nb = n // block
+    if nb < 8:
+        return x.max(-1).indices
+    head = x[:, :nb * block].view(r, nb, block).amax(-1)
+    if nb * block < n:
+        head = torch.cat([head, x[:, nb * block:].amax(-1, keepdim=True)], 1)
+    start = head.max(-1).indices * block  # the first block whose maximum is the row's
+    idx = start[:, None] + torch.arange(block, device=x.device)
+    seg = x.gather(1, idx.clamp(max=n - 1))
+    seg = torch.where(idx < n, seg, float("-inf"))  # the tail block can be short
+    return start + seg.max(-1).indices
+
+
 def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
     """logits [B, V] (float32) for reqs -> one token id per request, plus logprobs where asked."""
     logits = logits.float()
     raw = logits
     if any(r.params.repetition_penalty != 1.0 for r in reqs):
         logits = apply_repetition_penalty(logits.clone(), reqs)
-    tokens = logits.max(-1).indices  # the first maximum, like argmax, and faster on CPU
+    tokens = first_argmax(logits)
     rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if rows:
         sub = [reqs[b] for b in rows]

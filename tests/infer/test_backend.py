@@ -8,6 +8,7 @@ import torch
 
 from astrai.infer import backend as backend_mod
 from astrai.infer.backend import AttentionMeta, BackendUnavailable, attn_backend, select_backend
+from astrai.infer.backends import torch_native
 from astrai.infer.backends.torch_native import TorchBackend
 
 
@@ -44,11 +45,13 @@ def build_case(rng, kv_lens, q_lens, page_size, hq=4, hkv=2, d=8, num_pages=None
     return be, meta, q, dense
 
 
+@pytest.mark.parametrize("split_min_q", [1, 10**9])  # cached prefixes: split + merged always / never
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_prefill_ragged_with_cached_prefixes(page_size):
+def test_prefill_ragged_with_cached_prefixes(page_size, split_min_q, monkeypatch):
+    monkeypatch.setattr(torch_native, "SPLIT_MIN_Q", split_min_q)
     rng = random.Random(page_size)
-    kv_lens = [5, 17, 1, 33, 12]
-    q_lens = [5, 3, 1, 33, 7]  # fresh, cached prefix, single, fresh long, cached prefix
+    kv_lens = [5, 17, 1, 33, 12, 70]
+    q_lens = [5, 3, 1, 33, 7, 40]  # fresh, cached prefix, single, fresh long, cached prefix, long after cached
     be, meta, q, dense = build_case(rng, kv_lens, q_lens, page_size)
     o = be.prefill(0, q, meta)
     start = 0

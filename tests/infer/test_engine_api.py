@@ -110,3 +110,14 @@ def test_request_too_large_is_an_error_not_a_hang(checkpoint):
 def test_options_are_strict():
     with pytest.raises(ValueError, match="page_sise"):
         EngineOptions(page_sise=4)
+
+
+def test_cpu_lm_head_copy_follows_the_weight(engine):
+    """The runner's transposed LM-head copy gives the model's logits, and is remade when the weight
+    changes in place (a model trained between generations must not sample from stale logits)."""
+    runner, model = engine.runner, engine.model
+    h = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(runner.logits(h), model.logits(h), atol=1e-5, rtol=1e-5)
+        model.lm_head.weight.mul_(-2.0)
+        torch.testing.assert_close(runner.logits(h), model.logits(h), atol=1e-5, rtol=1e-5)

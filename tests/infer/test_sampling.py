@@ -119,3 +119,17 @@ def test_params_are_validated():
         SamplingParams(stop=[""])
     with pytest.raises(ValueError):
         SamplingParams(max_token=3)  # misspelled: refused, not ignored
+
+
+@pytest.mark.parametrize("shape", [(16, 129282), (3, 4096), (2, 2305), (5, 100)])
+def test_first_argmax_is_argmax_with_ties(shape):
+    from astrai.infer.sampling import first_argmax
+
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(*shape, generator=g)
+    top = x.max()
+    x[0, 7], x[0, shape[1] - 1] = top + 1, top + 1  # tie in the first and the (short) tail block
+    x[-1, shape[1] - 1] = top + 2  # a maximum in the last position only
+    x[1 % shape[0], :] = 0.5  # a row that is all ties
+    torch.testing.assert_close(first_argmax(x), torch.argmax(x, -1))
+    assert int(first_argmax(x)[0]) == 7

