@@ -11,8 +11,8 @@ ways to compute the same numbers, picked by `mode`:
   with respect to the chunk's logits (softmax - target) and folds it straight into the gradients
   of the hidden states and of the head weight; backward only scales them. No recomputation.
 
-"auto" (the default): full up to `chunk` positions (1024 by default), fused beyond (cross-entropy),
-chunked for log-probs. Measured with `python bench/train.py --rows 6 --loss-modes` (small model,
+"auto" (the default): full up to `chunk` positions (1024 by default), fused beyond (cross-entropy);
+log-probs (DPO, GRPO) full up to 4 chunks, chunked beyond. Measured with `python bench/train.py --rows 6 --loss-modes` (small model,
 hidden 256 x 4 layers, 32k vocab, rows of 4096 real chat lengths, 2 idle CPU cores, chunk 1024),
 one packed fwd+bwd+AdamW step: full 2.08 s / +1587 MB over the step's start, chunked 2.73 s /
 +527 MB, fused 1.79 s / +296 MB; interleaved throughput fused 1.24x full. Fused is both the fastest
@@ -81,7 +81,8 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     h, y = hidden[keep], targets[keep]
     if h.shape[0] == 0:
         return out + hidden.sum() * 0.0
-    if mode in ("chunked", "fused") or (mode == "auto" and h.shape[0] > chunk):
+    # no fused form for log-probs: auto keeps them whole up to 4 chunks (the recompute costs ~1/3 more)
+    if mode in ("chunked", "fused") or (mode == "auto" and h.shape[0] > 4 * chunk):
         lp = torch.cat([checkpoint(_chunk_logp, h[s:s + chunk], weight, y[s:s + chunk], use_reentrant=False)
                         for s in range(0, h.shape[0], chunk)])
     else:
