@@ -54,7 +54,7 @@ class AttentionMeta:
     kv_page_indices: torch.Tensor
     kv_lens: torch.Tensor
     page_size: int
-    host: dict = field(default_factory=dict)  # qo_indptr, kv_lens as lists
+    host: dict = field(default_factory=dict)  # qo_indptr, kv_lens, kv_indptr as lists; pages per request
     scratch: dict = field(default_factory=dict)
 
     @classmethod
@@ -70,7 +70,7 @@ class AttentionMeta:
             return torch.tensor(xs, dtype=torch.int32, device=device)
 
         return cls(i32(qo), i32(kv), i32(flat), i32(kv_lens), page_size,
-                   host={"qo_indptr": qo, "kv_lens": list(kv_lens), "kv_indptr": kv})
+                   host={"qo_indptr": qo, "kv_lens": list(kv_lens), "kv_indptr": kv, "pages": pages})
 
     @property
     def batch_size(self) -> int:

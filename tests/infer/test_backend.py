@@ -98,3 +98,49 @@ def test_forced_backend_that_cannot_serve_raises(monkeypatch):
     with attn_backend("torch"):
         with pytest.raises(BackendUnavailable, match="cannot serve cpu / torch.float32: test says no"):
             select_backend("cpu", torch.float32)
+
+
+def test_shared_prefix_pages():
+    from astrai.infer.backends.torch_native import shared_prefix_pages
+
+    assert shared_prefix_pages([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7]], [16, 15, 11], 4) == 2
+    assert shared_prefix_pages([[1, 2, 3], [1, 2, 3]], [12, 12], 4) == 2  # leave each request a token of its own
+    assert shared_prefix_pages([[1, 2, 3], [1, 2, 3]], [12, 9], 4) == 2
+    assert shared_prefix_pages([[1, 2], [5, 2]], [8, 8], 4) == 0
+    assert shared_prefix_pages([[1, 2, 3]], [12], 4) == 0  # one request: nothing to share
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_decode_cascade_over_a_shared_prefix(page_size, monkeypatch):
+    """Requests whose first pages are the same physical pages (a radix-shared prompt) decode as a cascade;
+    the answer is the plain attention over each request's whole K/V."""
+    monkeypatch.setattr(torch_native, "CASCADE_MIN_TOKENS", 1)
+    rng = random.Random(page_size)
+    hkv, hq, d = 2, 6, 8
+    shared_len = 3 * 16  # whole pages at every page size here
+    own_lens = [1, 9, 30, 17]
+    num_pages = (shared_len + sum(own_lens)) // page_size + len(own_lens) + 2
+    k_cache = [torch.zeros(num_pages * page_size, hkv, d)]
+    v_cache = [torch.zeros(num_pages * page_size, hkv, d)]
+    be = TorchBackend(k_cache, v_cache)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    shared_pages = [free.pop() for _ in range(shared_len // page_size)]
+    ks, vs = torch.randn(shared_len, hkv, d), torch.randn(shared_len, hkv, d)
+    be.write_kv(0, ks, vs, torch.tensor([shared_pages[p // page_size] * page_size + p % page_size
+                                         for p in range(shared_len)]))
+    pages, dense = [], []
+    for n in own_lens:
+        own = [free.pop() for _ in range(-(-n // page_size))]
+        k, v = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+        be.write_kv(0, k, v, torch.tensor([own[p // page_size] * page_size + p % page_size for p in range(n)]))
+        pages.append(shared_pages + own)
+        dense.append((torch.cat([ks, k]), torch.cat([vs, v])))
+    kv_lens = [shared_len + n for n in own_lens]
+    meta = AttentionMeta.build([1] * len(own_lens), kv_lens, pages, page_size)
+    q = torch.randn(len(own_lens), hq, d)
+    o = be.decode(0, q, meta)
+    assert meta.scratch["torch_decode"][0] == "cascade"
+    for b, ((k, v), kv_len) in enumerate(zip(dense, kv_lens)):
+        ref = reference_attention(q[b:b + 1], k, v, kv_len - 1)
+        torch.testing.assert_close(o[b:b + 1].double(), ref, atol=1e-5, rtol=1e-5)
