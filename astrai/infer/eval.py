@@ -6,9 +6,10 @@ perplexity.py), plus sample generations through the engine. eval.json holds loss
 trained token / document / row counts, the samples and the generation statistics; a summary is
 printed.
 
-Samples: for the first `samples` documents, the prompt is the document up to its first trained
-token (for SFT: the conversation up to the assistant header), the reference is the trained text
-that followed; the engine generates from the prompt (greedy by default).
+Samples: for `samples` held-out documents (whole documents first, not pieces that bfd_split cut
+mid-text: perplexity.held_out_prompts), the prompt is the document up to its first trained token
+(for SFT: the conversation up to the assistant header), the reference is the trained text that
+followed; the engine generates from the prompt (greedy by default).
 """
 
 from __future__ import annotations

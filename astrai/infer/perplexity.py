@@ -10,6 +10,8 @@ document's first token is predicted from the previous one), with the row's store
 
 from __future__ import annotations
 
+from collections import Counter
+
 import math
 from typing import Optional
 
@@ -77,11 +79,16 @@ def perplexity(model, dataset, max_rows: Optional[int] = None, batch_tokens: int
             "documents": docs, "rows": rows}
 
 
-def held_out_prompts(dataset, n: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reference ids) for the first n documents that have a trained part after a prompt;
-    a document trained from its first token (pretraining) is cut in half instead."""
-    out = []
-    for i in range(len(dataset)):
+def held_out_prompts(dataset, n: int, scan_rows: int = 200) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reference ids) for n held-out documents that have a trained part after a prompt;
+    a document trained from its first token (pretraining) is cut in half instead.
+
+    Packed rows can hold pieces of documents cut by bfd_split, which start anywhere (mid-text, or
+    at a lone assistant header). Whole documents of one template all start with the same token, so
+    documents starting with the most common first token, with a prompt of at least MIN_PROMPT
+    tokens, come first (in dataset order); the others only fill up what is left."""
+    found = []
+    for i in range(min(len(dataset), scan_rows)):
         row, start = dataset[i], 0
         for length in row["seq_lens"].tolist():
             ids, labels = row["input_ids"][start:start + length], row["labels"][start:start + length]
@@ -91,7 +98,16 @@ def held_out_prompts(dataset, n: int) -> list[tuple[list[int], list[int]]]:
                 continue
             first = int(trained[0, 0]) or max(1, length // 2)
             if first < length:
-                out.append((ids[:first].tolist(), ids[first:][labels[first:] != IGNORE_INDEX].tolist()))
-            if len(out) == n:
-                return out
-    return out
+                found.append((ids[:first].tolist(), ids[first:][labels[first:] != IGNORE_INDEX].tolist()))
+        if len(found) >= 20 * n:
+            break
+    if not found:
+        return []
+    starts = Counter(p[0] for p, _ in found)
+    usual = starts.most_common(1)[0][0]
+    whole = [c for c in found if c[0][0] == usual and len(c[0]) >= MIN_PROMPT]
+    rest = [c for c in found if not (c[0][0] == usual and len(c[0]) >= MIN_PROMPT)]
+    return (whole + rest)[:n]
+
+
+MIN_PROMPT = 8  # tokens: more than a bare role header

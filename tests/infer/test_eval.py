@@ -114,3 +114,29 @@ def test_eval_stage_in_a_recipe(data_and_checkpoint, tmp_path, tiny_tokenizer, c
     bad.write_text(recipe.read_text().replace("samples: 1", "sample: 1"))
     assert main(["validate", str(bad)]) == 1
     assert "sample" in capsys.readouterr().out
+
+
+def test_sample_prompts_prefer_whole_documents():
+    """Packed rows with bfd_split pieces: samples come from documents that start like the others
+    (the template's first token) with a real prompt, not from pieces cut mid-text or a bare header."""
+    from astrai.infer.perplexity import held_out_prompts
+    from astrai.schema import IGNORE_INDEX
+
+    S, HDR = 1, 2  # <|im_start|>, "assistant" header token
+
+    def doc(prompt, answer):
+        ids = prompt + answer
+        return ids, [IGNORE_INDEX] * len(prompt) + answer
+
+    piece_mid = doc([50, 51], [52, 53])                 # a piece cut mid-text
+    piece_hdr = doc([S, HDR], [60, 61, 62])             # a piece starting at the assistant header
+    whole1 = doc([S, 10, 11, 12, 13, 14, 15, S, HDR], [70, 71])
+    whole2 = doc([S, 20, 21, 22, 23, 24, 25, S, HDR], [80])
+    rows = []
+    for docs in ([piece_mid, piece_hdr], [whole1], [piece_mid, whole2]):
+        rows.append({"input_ids": torch.tensor([t for d in docs for t in d[0]]),
+                     "labels": torch.tensor([t for d in docs for t in d[1]]),
+                     "seq_lens": torch.tensor([len(d[0]) for d in docs])})
+    got = held_out_prompts(rows, 2)
+    assert got == [(whole1[0][:9], [70, 71]), (whole2[0][:9], [80])]
+    assert held_out_prompts(rows, 4)[2:] == [([50, 51], [52, 53]), ([S, HDR], [60, 61, 62])]  # then the rest
