@@ -27,7 +27,13 @@ def summary_lines(stats: dict, out: str, shards: int) -> list[str]:
     if lost:
         docs = stats["truncated_docs"] + stats.get("pack_truncated_docs", 0)
         before = stats["tokens"] + stats["truncated_tokens"]  # stats["tokens"] counts after max_seq_len
+        fixes = []  # each counter has its own cure: bfd_split cannot undo a max_seq_len cut
+        if stats["truncated_tokens"]:
+            fixes.append(f"raise max_seq_len ({stats['truncated_tokens']} tokens over it)")
+        if stats.get("pack_truncated_tokens", 0):
+            fixes.append(f"use packing_strategy: bfd_split ({stats['pack_truncated_tokens']} tokens over "
+                         f"max_packed_len)")
         lines.append(f"  truncated {docs} document(s): {lost} tokens lost ({lost / before:.1%} of the tokens); "
-                     f"raise max_seq_len or use packing_strategy: bfd_split to keep them")
+                     f"{' and '.join(fixes)} to keep them")
     lines.append(f"  next: astrai inspect {out}")
     return lines
