@@ -72,8 +72,9 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
                           callbacks=tuple(callbacks), dist=dist, write_tokenizer=data.write_tokenizer)
         state = trainer.fit()
         final = Path(options.output) / "final"
+        full = trainer.full_model_state() if state.stopped is None else None  # collective under fsdp
         if dist.is_main and state.stopped is None:
-            save_model(trainer.raw_model, final)
+            save_model(trainer.raw_model, final, full)
             data.write_tokenizer(final)
         last = next((r for r in reversed(state.history) if "loss" in r), {})
         val_loss = next((r["val_loss"] for r in reversed(state.history) if "val_loss" in r), None)

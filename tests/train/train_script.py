@@ -1,6 +1,7 @@
 """A tiny training run used by the trainer tests, in-process or as a subprocess (kill, signal, torchrun).
 
-    python train_script.py OUT [--kill-at STEP] [--sleep S] [--batch B] [--accum A] [--steps N]
+    python train_script.py OUT [--kill-at STEP] [--sleep S] [--batch B] [--accum A] [--epochs N]
+                               [--parallel ddp|fsdp] [--tied] [--val ROWS]
 """
 
 import argparse
@@ -45,9 +46,9 @@ def options(out, **kw):
     return TrainOptions(**{**base, **kw})
 
 
-def model(seed=0):
+def model(seed=0, tied=False):
     torch.manual_seed(seed)
-    return CausalLM(CFG)
+    return CausalLM(CFG.replace(tie_word_embeddings=True) if tied else CFG)
 
 
 class KillAt(Callback):
@@ -75,6 +76,9 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--parallel", default="ddp")
+    p.add_argument("--tied", action="store_true")
+    p.add_argument("--val", type=int, help="validation rows (validated every 3 steps)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist = setup("cpu")
@@ -83,9 +87,11 @@ def main():
         cbs.append(KillAt(args.kill_at))
     if args.sleep:
         cbs.append(Sleep(args.sleep))
-    t = Trainer(model(), make_strategy("sft"), synthetic_rows(),
-                options(args.out, batch_size=args.batch, grad_accum=args.accum, epochs=args.epochs),
-                callbacks=tuple(cbs), dist=dist)
+    val = dict(val_data="unused", eval_every=3) if args.val else {}
+    t = Trainer(model(tied=args.tied), make_strategy("sft"), synthetic_rows(),
+                options(args.out, batch_size=args.batch, grad_accum=args.accum, epochs=args.epochs,
+                        parallel=args.parallel, **val),
+                callbacks=tuple(cbs), dist=dist, val_dataset=synthetic_rows(args.val, seed=1) if args.val else None)
     state = t.fit()
     print("STOPPED", state.stopped, "STEP", state.global_step, flush=True)
     teardown(dist)
