@@ -1,10 +1,11 @@
 """A tiny training run used by the trainer tests, in-process or as a subprocess (kill, signal, torchrun).
 
     python train_script.py OUT [--kill-at STEP] [--sleep S] [--batch B] [--accum A] [--epochs N]
-                               [--parallel ddp|fsdp] [--tied] [--val ROWS]
+                               [--parallel ddp|fsdp] [--tied] [--val ROWS] [--opt KEY=JSON ...]
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -68,6 +69,19 @@ class Sleep(Callback):
         time.sleep(self.s)
 
 
+class UnsyncedGrads(Callback):
+    """fsdp: after the backward of a micro-batch that does not end the step, no sharded gradient may
+    exist yet (gradients accumulate unsharded; a reduce-scatter would have produced them)."""
+
+    def __init__(self):
+        self.checked = self.reduced = 0
+
+    def on_batch_end(self, trainer):
+        if not trainer.state.synced:
+            self.checked += 1
+            self.reduced += any(p.grad is not None for p in trainer.raw_model.parameters())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -79,6 +93,7 @@ def main():
     p.add_argument("--parallel", default="ddp")
     p.add_argument("--tied", action="store_true")
     p.add_argument("--val", type=int, help="validation rows (validated every 3 steps)")
+    p.add_argument("--opt", action="append", default=[], help="any other train option, e.g. compile=true")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist = setup("cpu")
@@ -87,12 +102,18 @@ def main():
         cbs.append(KillAt(args.kill_at))
     if args.sleep:
         cbs.append(Sleep(args.sleep))
+    if args.parallel == "fsdp":
+        cbs.append(UnsyncedGrads())
     val = dict(val_data="unused", eval_every=3) if args.val else {}
+    val.update({k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)})
     t = Trainer(model(tied=args.tied), make_strategy("sft"), synthetic_rows(),
                 options(args.out, batch_size=args.batch, grad_accum=args.accum, epochs=args.epochs,
                         parallel=args.parallel, **val),
                 callbacks=tuple(cbs), dist=dist, val_dataset=synthetic_rows(args.val, seed=1) if args.val else None)
+    unsynced = next((c for c in cbs if isinstance(c, UnsyncedGrads)), None)
     state = t.fit()
+    if unsynced:
+        print(f"REDUCED EARLY {unsynced.reduced} OF {unsynced.checked}", flush=True)
     print("STOPPED", state.stopped, "STEP", state.global_step, flush=True)
     teardown(dist)
 
