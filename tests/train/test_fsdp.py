@@ -2,7 +2,8 @@
 validation loss of 1 process with the doubled batch (tied embeddings, so the head shares the
 embedding's shard); the gathered checkpoint equals the 1-process one and loads in transformers; a
 run killed after a checkpoint resumes into the shards with the same losses; a sharded checkpoint
-resumes in one plain process and the other way round (optimizer state keyed by name vs index)."""
+resumes in one plain process and the other way round (optimizer state keyed by name vs index);
+MoE under fsdp equals MoE under DDP; gradient checkpointing under fsdp changes no loss."""
 
 import json
 import os
@@ -121,6 +122,20 @@ def test_fsdp_with_gradient_checkpointing_equals_one_process(runs, tmp_path):
     assert sorted(one) == sorted(gc)
     for s in one:
         assert abs(one[s] - gc[s]) < 1e-5, (one, gc)
+
+
+@pytest.mark.slow
+def test_fsdp_moe_equals_ddp_moe(tmp_path):
+    """MoE: 2 ranks each compute their own load-balancing loss, so the reference is DDP on 2 ranks
+    (same math, replicated), not 1 process. Every expert runs in training (even with no tokens), so
+    all ranks reduce the same gradients."""
+    _run(tmp_path / "ddp", "--batch", "2", "--moe", procs=2)
+    _run(tmp_path / "fsdp", "--batch", "2", "--moe", "--parallel", "fsdp", procs=2)
+    for key in ("loss", "aux_loss", "grad_norm", "val_loss"):
+        ddp, fsdp = _by_step(tmp_path / "ddp", key), _by_step(tmp_path / "fsdp", key)
+        assert sorted(ddp) == sorted(fsdp) and ddp, key
+        for s in ddp:
+            assert abs(ddp[s] - fsdp[s]) < 1e-5, (key, ddp, fsdp)
 
 
 @pytest.mark.slow
