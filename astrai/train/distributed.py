@@ -20,13 +20,20 @@ on disk. Resume reads the full state on every rank and loads it into the shards.
 optimizer.pt is keyed by parameter name (the plain one by index); either loads into either mode.
 Only rank 0 writes files (checkpoints, metrics).
 
-Tested on CPU with gloo (tests/train/test_fsdp.py): 2 fsdp processes give the losses and gradient
-norms of 1 process with the doubled batch, with tied embeddings; the checkpoint equals the
-1-process one and loads in transformers; a run killed after a checkpoint resumes to the same
-losses. NOT tested here (no GPU): nccl, bfloat16 with fsdp, compile with fsdp, MoE with fsdp.
-The whole model is still built on every rank before sharding (no meta-device init), so fsdp
-shards the training state (gradients, AdamW moments, all-gathered activations of one layer at a
-time), not the initial load.
+Tested on CPU with gloo, 2 processes (tests/train/test_fsdp.py, test_run.py): fsdp gives the losses,
+gradient norms and validation loss of 1 process with the doubled batch (sft with tied embeddings;
+dpo and grpo through `astrai train`), MoE equals DDP, no gradient is reduced before the last
+micro-batch, gradient checkpointing changes nothing, the checkpoint equals the 1-process one and
+loads in transformers, a run killed after a checkpoint resumes bitwise, and checkpoints move
+between fsdp and one process. By hand on CPU only (not in the suite): compile with fsdp (the same
+losses; ~40 s of compiling), bfloat16 with fsdp (losses within 1e-3 of 1 process in bfloat16; no
+mixed-precision policy is offered: parameters, gradients and reductions are all in `dtype`).
+NOT tested (no GPU here): nccl. The whole model
+is still built on every rank before sharding (no meta-device init), so fsdp shards the training
+state (gradients, AdamW moments, one layer's gathered weights at a time), not the initial load.
+Under fsdp an error raised on one rank writes no checkpoint (the others cannot join the gather);
+validation runs the same number of forwards on every rank (collectives), padding with a
+discarded batch. A DPO/GRPO reference model is replicated on every rank, not sharded.
 """
 
 from __future__ import annotations
