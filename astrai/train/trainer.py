@@ -30,7 +30,8 @@ import torch
 from astrai.train import checkpoints
 from astrai.train.batches import RankSampler
 from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
-from astrai.train.distributed import Dist, all_sum, barrier, full_model_state, full_optimizer_state, gradient_sync, is_sharded, wrap
+from astrai.train.distributed import (Dist, all_sum, barrier, full_model_state, full_optimizer_state, gradient_sync,
+                                     is_sharded, wrap)
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.strategies import Env, Strategy
 
