@@ -128,6 +128,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: torch.nn.Module):
+    """Free the gathered weights a forward without backward leaves behind: FSDP2 keeps the root's
+    (embedding, head) unsharded after its forward, expecting the backward to reshard them, which
+    validation and GRPO's old-policy pass never run."""
+    if is_sharded(model):
+        model.reshard()
+
+
 @contextmanager
 def gradient_sync(model: torch.nn.Module, d: Dist, sync: bool):
     """Around one micro-batch's backward: gradients are reduced across ranks only when `sync`

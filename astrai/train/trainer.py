@@ -31,7 +31,7 @@ from astrai.train import checkpoints
 from astrai.train.batches import RankSampler
 from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
 from astrai.train.distributed import (Dist, all_sum, barrier, full_model_state, full_optimizer_state, gradient_sync,
-                                     is_sharded, wrap)
+                                     is_sharded, reshard, wrap)
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.strategies import Env, Strategy
 
@@ -182,6 +182,7 @@ class Trainer:
         st, d = self.state, self.dist
         batches = self._batches(window)
         self.strategy.prepare(self.raw_model, batches, window, self.env)
+        reshard(self.raw_model)
         units = [self.strategy.units(b) for b in batches]
         step_units = max(all_sum([float(sum(units))], d)[0], 1.0)
         for update in range(self.strategy.updates):
@@ -255,6 +256,7 @@ class Trainer:
             if idx:
                 total += float(task)
                 units += self.strategy.units(b)
+        reshard(self.raw_model)
         self.raw_model.train()
         total, units = all_sum([total, units], self.dist)
         return total / max(units, 1.0)

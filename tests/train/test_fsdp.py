@@ -116,6 +116,19 @@ def test_two_fsdp_processes_equal_one_with_the_doubled_batch(runs):
 
 
 @pytest.mark.slow
+def test_fsdp_shards_weights_and_adam_state(runs):
+    """Each rank holds about half of the weights and of the AdamW moments (dim 0 split in two), counted
+    after the final validation: a forward without backward must not leave the root's weights gathered."""
+    lines = [ln.split() for ln in (runs / "two.stdout").read_text().splitlines() if ln.startswith("LOCAL PARAMS")]
+    assert len(lines) == 2
+    for w in lines:
+        local, full, adam_local, adam_full = int(w[2]), int(w[4]), int(w[6]), int(w[8])
+        assert full == ts.model(tied=True).num_parameters() and adam_full == full
+        assert abs(local - full / 2) <= 0.05 * full and abs(adam_local - full / 2) <= 0.05 * full
+    assert sum(int(w[2]) for w in lines) == int(lines[0][4])
+
+
+@pytest.mark.slow
 def test_fsdp_with_gradient_checkpointing_equals_one_process(runs, tmp_path):
     _run(tmp_path / "gc", "--batch", "2", "--parallel", "fsdp", "--opt", "gradient_checkpointing=true", procs=2)
     one, gc = _by_step(runs / "one", "loss"), _by_step(tmp_path / "gc", "loss")

@@ -116,6 +116,10 @@ def main():
     state = t.fit()
     if unsynced:
         print(f"REDUCED EARLY {unsynced.reduced} OF {unsynced.checked}", flush=True)
+        params = list(t.raw_model.parameters())
+        moments = [s["exp_avg"] for s in t.optimizer.state.values()]
+        print(f"LOCAL PARAMS {sum(p.to_local().numel() for p in params)} OF {sum(p.numel() for p in params)} "
+              f"ADAM {sum(m.to_local().numel() for m in moments)} OF {sum(m.numel() for m in moments)}", flush=True)
     print("STOPPED", state.stopped, "STEP", state.global_step, flush=True)
     teardown(dist)
 
