@@ -3,7 +3,8 @@ validation loss of 1 process with the doubled batch (tied embeddings, so the hea
 embedding's shard); the gathered checkpoint equals the 1-process one and loads in transformers; a
 run killed after a checkpoint resumes into the shards with the same losses; a sharded checkpoint
 resumes in one plain process and the other way round (optimizer state keyed by name vs index);
-MoE under fsdp equals MoE under DDP; gradient checkpointing under fsdp changes no loss."""
+MoE under fsdp equals MoE under DDP; gradient checkpointing under fsdp changes no loss; each rank
+holds half the weights and AdamW state; SIGTERM to one rank stops both at one step with a checkpoint."""
 
 import json
 import os
@@ -197,3 +198,33 @@ def test_checkpoints_move_between_fsdp_and_one_plain_process(runs, tmp_path):
         assert sorted(got) == [5, 6], got
         for s in got:
             assert abs(got[s] - ref[s]) < 1e-5, (dst, got, ref)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_fsdp_rank_stops_both_with_a_checkpoint(tmp_path):
+    """The ranks agree on the stop at one step (a sharded save needs all of them); SIGTERM reaches
+    only rank 1 here."""
+    import signal
+    import time
+
+    out = tmp_path / "sig"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          SCRIPT, str(out), "--batch", "2", "--parallel", "fsdp", "--sleep", "0.3"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    ranks = {}
+    for w in workers:  # torchrun sets RANK in each worker's environment
+        env = Path(f"/proc/{w}/environ").read_bytes().split(b"\0")
+        ranks[int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])] = int(w)
+    os.kill(ranks[1], signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr[-3000:]
+    stops = [int(line.split("STEP")[1]) for line in stdout.splitlines() if line.startswith("STOPPED SIGTERM")]
+    steps = set(stops)
+    assert len(stops) == 2 and len(steps) == 1 and 0 < next(iter(steps)) < 12, stdout
+    latest = checkpoints.latest(out / "checkpoints")
+    assert json.loads((latest / "trainer_state.json").read_text())["global_step"] == next(iter(steps))
