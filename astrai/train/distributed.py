@@ -31,9 +31,11 @@ mixed-precision policy is offered: parameters, gradients and reductions are all 
 NOT tested (no GPU here): nccl. The whole model
 is still built on every rank before sharding (no meta-device init), so fsdp shards the training
 state (gradients, AdamW moments, one layer's gathered weights at a time), not the initial load.
-Under fsdp an error raised on one rank writes no checkpoint (the others cannot join the gather);
-validation runs the same number of forwards on every rank (collectives), padding with a
-discarded batch. A DPO/GRPO reference model is replicated on every rank, not sharded.
+Under fsdp every forward and every save is collective, so: a stop signal is agreed by all ranks
+at one step before anyone saves (tested with SIGTERM to one rank); an error raised on one rank
+writes no checkpoint (the others cannot join the gather); validation runs the same number of
+forwards on every rank, padding with a discarded batch, and `reshard` frees the root's weights
+after forwards without backward. A DPO/GRPO reference model is replicated, not sharded.
 """
 
 from __future__ import annotations
