@@ -28,9 +28,9 @@ loads in transformers, a run killed after a checkpoint resumes bitwise, and chec
 between fsdp and one process. By hand on CPU only (not in the suite): compile with fsdp (the same
 losses; ~40 s of compiling), bfloat16 with fsdp (losses within 1e-3 of 1 process in bfloat16; no
 mixed-precision policy is offered: parameters, gradients and reductions are all in `dtype`).
-NOT tested (no GPU here): nccl. The whole model
-is still built on every rank before sharding (no meta-device init), so fsdp shards the training
-state (gradients, AdamW moments, one layer's gathered weights at a time), not the initial load.
+NOT tested (no GPU here): nccl. The whole model is still built on every rank before sharding
+(no meta-device init), so fsdp shards the training state (gradients, AdamW moments, one layer's
+gathered weights at a time), not the initial load.
 Under fsdp every forward and every save is collective, so: a stop signal is agreed by all ranks
 at one step before anyone saves (tested with SIGTERM to one rank); an error raised on one rank
 writes no checkpoint (the others cannot join the gather); validation runs the same number of
