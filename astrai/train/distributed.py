@@ -93,6 +93,12 @@ def all_sum(values: list[float], d: Dist) -> list[float]:
 
 
 def barrier(d: Dist):
+    """Every rank waits for the others. Also call it last, on the normal path, before the group is
+    torn down: seen here (torch 2.13, gloo, DDP) without it, a rank that finished first freed the
+    DDP reducer with the GIL held; that destroyed the process group, whose destructor joined gloo's
+    worker thread while that thread waited for the GIL to free a just-finished all_reduce's tensors:
+    a deadlock at exit (one rank in ~4 under load). After a barrier that thread holds no such work.
+    Never on an error path: the other ranks may never arrive."""
     if d.active:
         dist.barrier()
 
