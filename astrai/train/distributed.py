@@ -41,6 +41,7 @@ after forwards without backward. A DPO/GRPO reference model is replicated, not s
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -93,14 +94,22 @@ def all_sum(values: list[float], d: Dist) -> list[float]:
 
 
 def barrier(d: Dist):
-    """Every rank waits for the others. Also call it last, on the normal path, before the group is
-    torn down: seen here (torch 2.13, gloo, DDP) without it, a rank that finished first freed the
-    DDP reducer with the GIL held; that destroyed the process group, whose destructor joined gloo's
-    worker thread while that thread waited for the GIL to free a just-finished all_reduce's tensors:
-    a deadlock at exit (one rank in ~4 under load). After a barrier that thread holds no such work.
-    Never on an error path: the other ranks may never arrive."""
     if d.active:
         dist.barrier()
+
+
+def finish(d: Dist):
+    """The last call before teardown on the normal path (never on an error path: the other ranks may
+    never arrive): every rank has finished, and gloo's worker threads get the GIL to free their
+    last work. Seen here without it (torch 2.13, gloo, DDP, about one run in 4 under load, also on
+    main): the rank that finished first freed the DDP reducer with the GIL held; that destroyed the
+    process group, whose destructor joined a gloo thread that was waiting for the GIL to free a
+    finished all_reduce's tensors: a deadlock at exit. gloo runs collectives on 2 threads, so the
+    barrier alone does not close the window (still seen once in 8 runs); releasing the GIL for a
+    moment after it does in practice, without a guarantee."""
+    if d.active:
+        dist.barrier()
+        time.sleep(0.2)  # releases the GIL
 
 
 def wrap(model: torch.nn.Module, d: Dist, parallel: str = "ddp") -> torch.nn.Module:

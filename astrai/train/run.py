@@ -18,7 +18,7 @@ import torch
 from astrai.model import CausalLM, ModelConfig, load_model, save_model
 from astrai.model.config import PRESETS
 from astrai.train.data import TrainData, compat_problems
-from astrai.train.distributed import barrier, setup, teardown
+from astrai.train.distributed import finish, setup, teardown
 from astrai.train.options import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
@@ -78,7 +78,7 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
             data.write_tokenizer(final)
         last = next((r for r in reversed(state.history) if "loss" in r), {})
         val_loss = next((r["val_loss"] for r in reversed(state.history) if "val_loss" in r), None)
-        barrier(dist)  # final/ is on disk before any rank returns; and see distributed.barrier
+        finish(dist)  # final/ is on disk before any rank returns; and see distributed.finish
         return {"output": str(options.output), "final": str(final) if state.stopped is None else None,
                 "steps": state.global_step, "loss": last.get("loss"), "val_loss": val_loss,
                 "stopped": state.stopped}

@@ -16,7 +16,7 @@ import torch
 from astrai.model import CausalLM, ModelConfig
 from astrai.schema import IGNORE_INDEX
 from astrai.train.callbacks import Callback
-from astrai.train.distributed import barrier, setup, teardown
+from astrai.train.distributed import finish, setup, teardown
 from astrai.train.options import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
@@ -121,7 +121,7 @@ def main():
         print(f"LOCAL PARAMS {sum(p.to_local().numel() for p in params)} OF {sum(p.numel() for p in params)} "
               f"ADAM {sum(m.to_local().numel() for m in moments)} OF {sum(m.numel() for m in moments)}", flush=True)
     print("STOPPED", state.stopped, "STEP", state.global_step, flush=True)
-    barrier(dist)  # see astrai.train.distributed.barrier
+    finish(dist)  # see astrai.train.distributed.finish
     teardown(dist)
 
 
