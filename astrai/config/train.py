@@ -62,6 +62,9 @@ class TrainOptions(StrictModel):
     loss_chunk_tokens: int = Field(1024, ge=1, description="positions per LM-head chunk")
     gradient_checkpointing: bool = Field(False, description="recompute layers in backward (less activation memory)")
     compile: bool = Field(False, description="torch.compile the decoder layers (attention loop stays eager)")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="under torchrun: ddp replicates the model; fsdp shards weights, gradients and "
+        "optimizer state per decoder layer (FSDP2). One process: no effect")
 
     save_every: int = Field(100, ge=1, description="checkpoint every N optimizer steps (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")

@@ -1,6 +1,7 @@
 """Model checkpoints as Hugging Face writes them: config.json + model.safetensors (or shards).
 
-`save_model(model, dir)` writes config.json and model.safetensors, each under a temporary name and
+`save_model(model, dir[, state])` writes config.json and model.safetensors (from `state` when the
+full state dict was gathered from a sharded model), each under a temporary name and
 renamed, so a kill mid-save leaves the previous files or none, never a torn one. A tied LM head is
 stored once (as embed_tokens, like HF). `load_model(dir, dtype=...)` reads a single file or a
 sharded checkpoint with model.safetensors.index.json, in our layout or in transformers 5's fused
@@ -38,18 +39,20 @@ def _fsync_replace(tmp: Path, path: Path):
     os.replace(tmp, path)
 
 
-def model_state(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The tensors as written to disk: HF names, a tied lm_head dropped, contiguous, on CPU."""
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+def model_state(model: CausalLM, state: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """The tensors as written to disk: HF names, a tied lm_head dropped, contiguous, on CPU.
+    `state`: the model's full state dict when it was gathered elsewhere (a sharded model)."""
+    state = model.state_dict() if state is None else state
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
 
 
-def save_model(model: CausalLM, directory: Union[str, os.PathLike]) -> Path:
+def save_model(model: CausalLM, directory: Union[str, os.PathLike], state: Optional[dict] = None) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    sd = model_state(model)
+    sd = model_state(model, state)
     dtype = next(iter(sd.values())).dtype
     weights = out / WEIGHTS
     save_file(sd, str(_tmp(weights)), metadata={"format": "pt"})

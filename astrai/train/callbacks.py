@@ -62,17 +62,23 @@ class GradientClipping(Callback):
 
 class Checkpoint(Callback):
     """Every `every` optimizer steps, at the end, on a stop signal, and on an error raised at a step
-    boundary (mid-step state is never saved: it could not resume exactly)."""
+    boundary (mid-step state is never saved: it could not resume exactly; nor under fsdp with
+    several ranks, where the state cannot be gathered from a failing rank)."""
 
     def __init__(self, every: int):
         self.every = every
 
     def on_batch_end(self, trainer):
         s = trainer.state
-        if s.at_boundary and (s.global_step % self.every == 0 or trainer.stop_signal):
+        # `stopped`, not the raw signal flag: it is agreed by all ranks at the same step, so every
+        # rank saves together (a sharded save is collective)
+        if s.at_boundary and (s.global_step % self.every == 0 or s.stopped is not None):
             trainer.save_checkpoint()
 
     def on_error(self, trainer, error):
+        # sharded, gathering the full state needs every rank, and the others are not here: no save
+        if trainer.sharded and trainer.dist.active:
+            return
         if trainer.state.at_boundary and trainer.state.global_step > 0:
             trainer.save_checkpoint()
 

@@ -3,7 +3,8 @@
 A checkpoint is a directory `checkpoints/step-00000040/` holding
   config.json + model.safetensors  (a Hugging Face model: transformers loads it as is)
   tokenizer files of the data      (so `astrai generate` needs nothing else)
-  optimizer.pt, scheduler.pt       (torch state dicts)
+  optimizer.pt, scheduler.pt       (torch state dicts; an fsdp run's optimizer.pt is the full state
+                                   keyed by parameter name: astrai.train.distributed)
   rng.pt                           (python, numpy, torch CPU and CUDA generator states)
   trainer_state.json               (step, epoch, position in the epoch = the sampler state, options)
 It is written under `.step-00000040.tmp-<pid>` and renamed when complete: a kill during a save
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from astrai.model.checkpoint import read_tensors, save_model
+from astrai.train.distributed import load_full_state
 
 STATE = "trainer_state.json"
 
@@ -48,7 +50,9 @@ def _name(step: int) -> str:
 
 
 def save(root: Path, step: int, model, optimizer, scheduler, state: dict,
-         write_tokenizer=None) -> Path:
+         write_tokenizer=None, model_sd: Optional[dict] = None, optim_sd: Optional[dict] = None) -> Path:
+    """`model_sd`/`optim_sd`: the full state dicts when they were gathered from a sharded model
+    (distributed.full_model_state, full_optimizer_state); by default the model's and optimizer's own."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".step-*.tmp-*"):
@@ -56,10 +60,10 @@ def save(root: Path, step: int, model, optimizer, scheduler, state: dict,
     final = root / _name(step)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    save_model(model, tmp)
+    save_model(model, tmp, model_sd)
     if write_tokenizer is not None:
         write_tokenizer(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer.state_dict() if optim_sd is None else optim_sd, tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")  # last: marks completeness
@@ -84,14 +88,15 @@ def prune(root: Path, keep: int):
 
 
 def load(path: Path, model, optimizer, scheduler) -> dict:
-    """Restore model weights (in place: the optimizer keeps its parameters), optimizer, scheduler, RNG."""
+    """Restore model weights (in place: the optimizer keeps its parameters; into the shards of an
+    fsdp model), optimizer, scheduler, RNG. Every rank reads the full files."""
     path = Path(path)
     sd = read_tensors(path)
     if model.config.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     current = model.state_dict()
-    model.load_state_dict({k: v.to(current[k].dtype) for k, v in sd.items()})
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()},
+                    torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / STATE).read_text())

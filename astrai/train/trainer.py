@@ -6,7 +6,8 @@ micro-batches on all ranks, one all-reduce. Each micro-batch then backpropagates
     task_sum / step_units * world   (+ coef * aux * micro_units / step_units * world for MoE)
 so the accumulated, DDP-averaged gradient is exactly the gradient of the step's token-weighted
 mean: 4 micro-batches give the gradient of their concatenation (tested). Gradients are
-all-reduced only on the last micro-batch (DDP no_sync on the others); the optimizer and the
+reduced only on the last micro-batch (DDP no_sync, FSDP2 set_requires_gradient_sync(False) on the
+others: astrai.train.distributed); the optimizer and the
 scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch.
 
 Resume: the state (global step, epoch, next step in the epoch) is saved with the weights,
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import signal
 import threading
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,7 +30,8 @@ import torch
 from astrai.train import checkpoints
 from astrai.train.batches import RankSampler
 from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
-from astrai.train.distributed import Dist, all_sum, wrap
+from astrai.train.distributed import (Dist, all_sum, barrier, full_model_state, full_optimizer_state, gradient_sync,
+                                     is_sharded, reshard, wrap)
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.strategies import Env, Strategy
 
@@ -68,7 +69,8 @@ class Trainer:
         if o.compile:
             for layer in self.raw_model.model.layers:
                 layer.compile()
-        self.model = wrap(self.raw_model, self.dist)
+        self.model = wrap(self.raw_model, self.dist, o.parallel)
+        self.sharded = is_sharded(self.raw_model)  # fsdp under torchrun: saving and validating are collective
         self.strategy, self.dataset, self.val_dataset = strategy, dataset, val_dataset
         self.env = Env(self.dist.device, _DTYPES[o.dtype], o.attention, o.lm_loss, o.loss_chunk_tokens)
         self.sampler = RankSampler(len(dataset), o.batch_size, o.grad_accum, self.dist.rank, self.dist.world,
@@ -103,12 +105,23 @@ class Trainer:
         return self.out / "checkpoints"
 
     def save_checkpoint(self):
+        """Rank 0 writes. Sharded, every rank must call this (the full state is gathered), and no
+        rank returns before the checkpoint is on disk."""
         self.state.saved_step = self.state.global_step
+        model_sd, optim_sd = None, None
+        if self.sharded:
+            model_sd, optim_sd = full_model_state(self.raw_model), full_optimizer_state(self.raw_model, self.optimizer)
         if self.dist.is_main:
             checkpoints.save(self.checkpoint_dir, self.state.global_step, self.raw_model, self.optimizer,
                              self.scheduler, {**self.state.saved(), "options": self.opts.model_dump(mode="json")},
-                             self.write_tokenizer)
+                             self.write_tokenizer, model_sd, optim_sd)
             checkpoints.prune(self.checkpoint_dir, self.opts.keep_last)
+        if self.sharded:
+            barrier(self.dist)
+
+    def full_model_state(self) -> dict:
+        """The unsharded model state dict on rank 0 (collective when sharded: every rank calls it)."""
+        return full_model_state(self.raw_model)
 
     def resume(self) -> Optional[Path]:
         path = checkpoints.latest(self.checkpoint_dir)
@@ -169,6 +182,7 @@ class Trainer:
         st, d = self.state, self.dist
         batches = self._batches(window)
         self.strategy.prepare(self.raw_model, batches, window, self.env)
+        reshard(self.raw_model)
         units = [self.strategy.units(b) for b in batches]
         step_units = max(all_sum([float(sum(units))], d)[0], 1.0)
         for update in range(self.strategy.updates):
@@ -177,7 +191,7 @@ class Trainer:
                 last = i == len(batches) - 1
                 st.synced, st.at_boundary = False, False
                 self.fire("on_batch_begin")
-                with nullcontext() if (last or not d.active) else self.model.no_sync():
+                with gradient_sync(self.model, d, sync=last):
                     task, aux, metrics = self.strategy.loss(self.model, b, self.env)
                     loss = task * (d.world / step_units)
                     if aux is not None:
@@ -230,14 +244,19 @@ class Trainer:
         self.raw_model.eval()
         d, bs = self.dist, self.opts.batch_size
         mine = list(range(d.rank, len(self.val_dataset), d.world))
+        # sharded, every forward is collective: every rank runs rank 0's number of batches, the
+        # ranks with fewer rows a discarded one (row 0) for each missing batch
+        n_batches = -(-len(range(0, len(self.val_dataset), d.world)) // bs) if self.sharded else -(-len(mine) // bs)
         total = units = 0.0
-        for s in range(0, len(mine), bs):
+        for s in range(0, n_batches * bs, bs):
             idx = mine[s:s + bs]
-            (b,) = self._batches([idx])
-            self.strategy.prepare(self.raw_model, [b], [[-1 - i for i in idx]], self.env)
+            (b,) = self._batches([idx or [0]])
+            self.strategy.prepare(self.raw_model, [b], [[-1 - i for i in idx or [0]]], self.env)
             task, _, _ = self.strategy.loss(self.raw_model, b, self.env)
-            total += float(task)
-            units += self.strategy.units(b)
+            if idx:
+                total += float(task)
+                units += self.strategy.units(b)
+        reshard(self.raw_model)
         self.raw_model.train()
         total, units = all_sum([total, units], self.dist)
         return total / max(units, 1.0)

@@ -1,9 +1,11 @@
 """A tiny training run used by the trainer tests, in-process or as a subprocess (kill, signal, torchrun).
 
-    python train_script.py OUT [--kill-at STEP] [--sleep S] [--batch B] [--accum A] [--steps N]
+    python train_script.py OUT [--kill-at STEP] [--sleep S] [--batch B] [--accum A] [--epochs N]
+                               [--parallel ddp|fsdp] [--tied] [--moe] [--val ROWS] [--opt KEY=JSON ...]
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -14,7 +16,7 @@ import torch
 from astrai.model import CausalLM, ModelConfig
 from astrai.schema import IGNORE_INDEX
 from astrai.train.callbacks import Callback
-from astrai.train.distributed import setup, teardown
+from astrai.train.distributed import finish, setup, teardown
 from astrai.train.options import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
@@ -45,9 +47,10 @@ def options(out, **kw):
     return TrainOptions(**{**base, **kw})
 
 
-def model(seed=0):
+def model(seed=0, tied=False, moe=False):
     torch.manual_seed(seed)
-    return CausalLM(CFG)
+    cfg = CFG.replace(tie_word_embeddings=True) if tied else CFG
+    return CausalLM(cfg.replace(num_local_experts=4, num_experts_per_tok=2) if moe else cfg)
 
 
 class KillAt(Callback):
@@ -67,6 +70,19 @@ class Sleep(Callback):
         time.sleep(self.s)
 
 
+class UnsyncedGrads(Callback):
+    """fsdp: after the backward of a micro-batch that does not end the step, no sharded gradient may
+    exist yet (gradients accumulate unsharded; a reduce-scatter would have produced them)."""
+
+    def __init__(self):
+        self.checked = self.reduced = 0
+
+    def on_batch_end(self, trainer):
+        if not trainer.state.synced:
+            self.checked += 1
+            self.reduced += any(p.grad is not None for p in trainer.raw_model.parameters())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -75,6 +91,11 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--parallel", default="ddp")
+    p.add_argument("--tied", action="store_true")
+    p.add_argument("--moe", action="store_true", help="4 experts, top 2")
+    p.add_argument("--val", type=int, help="validation rows (validated every 3 steps)")
+    p.add_argument("--opt", action="append", default=[], help="any other train option, e.g. compile=true")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist = setup("cpu")
@@ -83,11 +104,24 @@ def main():
         cbs.append(KillAt(args.kill_at))
     if args.sleep:
         cbs.append(Sleep(args.sleep))
-    t = Trainer(model(), make_strategy("sft"), synthetic_rows(),
-                options(args.out, batch_size=args.batch, grad_accum=args.accum, epochs=args.epochs),
-                callbacks=tuple(cbs), dist=dist)
+    if args.parallel == "fsdp":
+        cbs.append(UnsyncedGrads())
+    val = dict(val_data="unused", eval_every=3) if args.val else {}
+    val.update({k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)})
+    t = Trainer(model(tied=args.tied, moe=args.moe), make_strategy("sft"), synthetic_rows(),
+                options(args.out, batch_size=args.batch, grad_accum=args.accum, epochs=args.epochs,
+                        parallel=args.parallel, **val),
+                callbacks=tuple(cbs), dist=dist, val_dataset=synthetic_rows(args.val, seed=1) if args.val else None)
+    unsynced = next((c for c in cbs if isinstance(c, UnsyncedGrads)), None)
     state = t.fit()
+    if unsynced:
+        print(f"REDUCED EARLY {unsynced.reduced} OF {unsynced.checked}", flush=True)
+        params = list(t.raw_model.parameters())
+        moments = [s["exp_avg"] for s in t.optimizer.state.values()]
+        print(f"LOCAL PARAMS {sum(p.to_local().numel() for p in params)} OF {sum(p.numel() for p in params)} "
+              f"ADAM {sum(m.to_local().numel() for m in moments)} OF {sum(m.numel() for m in moments)}", flush=True)
     print("STOPPED", state.stopped, "STEP", state.global_step, flush=True)
+    finish(dist)  # see astrai.train.distributed.finish
     teardown(dist)
 
 
