@@ -57,6 +57,17 @@ def completion_record(c, prompt) -> dict:
     return rec
 
 
+def _why(c, engine) -> str:
+    if c.finish_reason == "length":
+        return "max_tokens reached"
+    if c.finish_reason == "stop" and isinstance(c.stop_reason, int):
+        name = engine.tokenizer.tok.id_to_token(c.stop_reason) if engine.tokenizer is not None else None
+        return f"stop token {c.stop_reason}" + (f" ({name})" if name else "") + "; --ignore-eos continues past it"
+    if c.finish_reason == "stop":
+        return f"stop string {c.stop_reason!r}"
+    return c.finish_reason or "unknown"
+
+
 def generate_main(options: GenerateOptions, out=None, err=None) -> int:
     from astrai.infer.engine import Engine
 
@@ -70,10 +81,14 @@ def generate_main(options: GenerateOptions, out=None, err=None) -> int:
     engine = Engine.from_checkpoint(options.checkpoint, options.engine)
     prompts = [p for p, _ in items]
     if len(prompts) == 1 and options.output is None:
+        done = None
         for ev in engine.stream(prompts, params):
             out.write(ev.text)
             out.flush()
+            done = ev.completion or done
         out.write("\n")
+        if done is not None:  # say why it stopped: an empty answer must not look like a failure
+            err.write(f"[generate] finished after {len(done.token_ids)} token(s): {_why(done, engine)}\n")
     else:
         results: list[Optional[dict]] = [None] * len(prompts)
         for ev in engine.stream(prompts, params):

@@ -22,6 +22,17 @@ def test_prompt_streams_the_continuation(checkpoint, capsys):
     ref = reference(checkpoint, "hello world", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
     assert out == ref.text + "\n"
     assert "[generate] 1 request(s), 7 tokens" in err
+    assert "[generate] finished after 7 token(s): max_tokens reached" in err
+
+
+def test_prompt_says_which_token_stopped_it(checkpoint, capsys):
+    """An answer cut short by a stop token names the token, so an empty answer is not a mystery."""
+    ref = reference(checkpoint, "hello world", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    stop = ref.token_ids[1]
+    rc = main(["generate", str(checkpoint), "--prompt", "hello world", "--max-tokens", "3", "--temperature", "0",
+               "--ignore-eos", "--stop-token-ids", str(stop), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 0 and f"finished after 2 token(s): stop token {stop} (" in err
 
 
 def test_chat_and_input_jsonl(checkpoint, tmp_path, capsys):
