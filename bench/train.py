@@ -39,14 +39,13 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
-from astrai.config.train import TrainOptions  # noqa: E402
+from astrai.config.train import LOSS_CHUNK, TrainOptions  # noqa: E402
 from astrai.model import AttentionContext, CausalLM, ModelConfig  # noqa: E402
 from astrai.schema import IGNORE_INDEX  # noqa: E402
 from astrai.train.attention import DocumentLoopContext  # noqa: E402
 from astrai.train.lm_loss import cross_entropy_sum, shift_targets  # noqa: E402
 
 LOSS_MODE = TrainOptions.model_fields["lm_loss"].default  # the trainer's defaults
-LOSS_CHUNK = TrainOptions.model_fields["loss_chunk_tokens"].default
 TARGETS = {"padded-random": 1.5, "padded-sorted": 0.95, "hf-packed": 1.5}
 
 

@@ -30,7 +30,6 @@ def repo_root():
 
 def make_tiny_tokenizer(path):
     """A small byte-level BPE trained in the test run (hermetic: no hub, no package data)."""
-
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

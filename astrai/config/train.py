@@ -16,6 +16,10 @@ from pydantic import Field, model_validator
 from astrai.config.loading import StrictModel, get_in, raise_combination_problems
 
 
+# positions per LM-head chunk: past one chunk, `lm_loss: auto` runs the fused loss (astrai.train.lm_loss)
+LOSS_CHUNK = 1024
+
+
 class TrainOptions(StrictModel):
     """A recipe's `train:` block, or a train YAML. Paths are relative to that file."""
 
@@ -59,7 +63,7 @@ class TrainOptions(StrictModel):
     lm_loss: Literal["auto", "full", "chunked", "fused"] = Field(
         "auto", description="LM head loss: auto = full up to loss_chunk_tokens positions, fused beyond "
         "(fused: fastest and smallest, bench/train.py)")
-    loss_chunk_tokens: int = Field(1024, ge=1, description="positions per LM-head chunk")
+    loss_chunk_tokens: int = Field(LOSS_CHUNK, ge=1, description="positions per LM-head chunk")
     gradient_checkpointing: bool = Field(False, description="recompute layers in backward (less activation memory)")
     compile: bool = Field(False, description="torch.compile the decoder layers (attention loop stays eager)")
     parallel: Literal["ddp", "fsdp"] = Field(

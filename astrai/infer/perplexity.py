@@ -10,9 +10,8 @@ document's first token is predicted from the previous one), with the row's store
 
 from __future__ import annotations
 
-from collections import Counter
-
 import math
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -79,6 +78,9 @@ def perplexity(model, dataset, max_rows: Optional[int] = None, batch_tokens: int
             "documents": docs, "rows": rows}
 
 
+MIN_PROMPT = 8  # tokens: more than a bare role header
+
+
 def held_out_prompts(dataset, n: int, scan_rows: int = 200) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, reference ids) for n held-out documents that have a trained part after a prompt;
     a document trained from its first token (pretraining) is cut in half instead.
@@ -103,11 +105,6 @@ def held_out_prompts(dataset, n: int, scan_rows: int = 200) -> list[tuple[list[i
             break
     if not found:
         return []
-    starts = Counter(p[0] for p, _ in found)
-    usual = starts.most_common(1)[0][0]
-    whole = [c for c in found if c[0][0] == usual and len(c[0]) >= MIN_PROMPT]
-    rest = [c for c in found if not (c[0][0] == usual and len(c[0]) >= MIN_PROMPT)]
-    return (whole + rest)[:n]
-
-
-MIN_PROMPT = 8  # tokens: more than a bare role header
+    usual = Counter(p[0] for p, _ in found).most_common(1)[0][0]
+    # a stable sort: whole documents first, each group in dataset order
+    return sorted(found, key=lambda c: not (c[0][0] == usual and len(c[0]) >= MIN_PROMPT))[:n]

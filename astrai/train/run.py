@@ -18,7 +18,7 @@ import torch
 from astrai.model import CausalLM, ModelConfig, load_model, save_model
 from astrai.model.config import PRESETS
 from astrai.train.data import TrainData, compat_problems
-from astrai.train.distributed import finish, setup, teardown
+from astrai.train.distributed import finish, full_model_state, setup, teardown
 from astrai.train.options import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
@@ -72,7 +72,7 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
                           callbacks=tuple(callbacks), dist=dist, write_tokenizer=data.write_tokenizer)
         state = trainer.fit()
         final = Path(options.output) / "final"
-        full = trainer.full_model_state() if state.stopped is None else None  # collective under fsdp
+        full = full_model_state(trainer.raw_model) if state.stopped is None else None  # collective under fsdp
         if dist.is_main and state.stopped is None:
             save_model(trainer.raw_model, final, full)
             data.write_tokenizer(final)

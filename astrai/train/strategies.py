@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from astrai.config.train import LOSS_CHUNK
 from astrai.schema import IGNORE_INDEX
 from astrai.train.attention import packed_context
 from astrai.train.batches import collate_dpo, collate_grpo, collate_lm
@@ -41,7 +42,7 @@ class Env:
     dtype: torch.dtype = torch.float32
     attention: str = "auto"
     lm_loss: str = "auto"
-    loss_chunk: int = 1024
+    loss_chunk: int = LOSS_CHUNK
 
 
 def unwrap(model):

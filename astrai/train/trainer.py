@@ -119,10 +119,6 @@ class Trainer:
         if self.sharded:
             barrier(self.dist)
 
-    def full_model_state(self) -> dict:
-        """The unsharded model state dict on rank 0 (collective when sharded: every rank calls it)."""
-        return full_model_state(self.raw_model)
-
     def resume(self) -> Optional[Path]:
         path = checkpoints.latest(self.checkpoint_dir)
         if path is None:
@@ -244,9 +240,10 @@ class Trainer:
         self.raw_model.eval()
         d, bs = self.dist, self.opts.batch_size
         mine = list(range(d.rank, len(self.val_dataset), d.world))
-        # sharded, every forward is collective: every rank runs rank 0's number of batches, the
-        # ranks with fewer rows a discarded one (row 0) for each missing batch
-        n_batches = -(-len(range(0, len(self.val_dataset), d.world)) // bs) if self.sharded else -(-len(mine) // bs)
+        # sharded, every forward is collective: every rank runs rank 0's number of batches (rank 0
+        # has the most rows), the ranks with fewer rows a discarded one (row 0) for each missing batch
+        most = len(range(0, len(self.val_dataset), d.world)) if self.sharded else len(mine)
+        n_batches = -(-most // bs)
         total = units = 0.0
         for s in range(0, n_batches * bs, bs):
             idx = mine[s:s + bs]

@@ -5,8 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from astrai.data.preprocess.pack import Intermediate
-from astrai.data.preprocess.shards import IntermediateSink, token_file
+from astrai.data.preprocess.shards import Intermediate, IntermediateSink, token_file
 from astrai.data.process import TokenSeq
 from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS
 

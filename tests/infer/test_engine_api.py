@@ -1,6 +1,5 @@
 """Engine API: streaming, stop strings and ids, seeds, chat prompts, logprobs, abort, errors."""
 
-
 import pytest
 import torch
 

@@ -42,6 +42,5 @@ def test_compiled_layers_train_like_eager_without_recompiling(tmp_path):
     for a, b in zip(eager, compiled):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (eager, compiled)
     graphs = runs[True][1]
-    print("graphs after each step:", graphs)
     # the first steps compile (a static graph, then a dynamic-shape one); later layouts reuse them
     assert graphs[0] > 0 and graphs[-1] == graphs[3], graphs

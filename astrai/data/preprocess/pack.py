@@ -10,7 +10,6 @@ A shard is done when its final name exists, so a rerun writes only the missing o
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 
 from astrai.data.packing import plan_bins
 from astrai.data.preprocess.job import Job, Worker
-from astrai.data.preprocess.shards import TOKEN_DTYPE, token_file
+from astrai.data.preprocess.shards import Intermediate
 from astrai.data.read import Partition
 from astrai.data.write import ShardWriter, rows_columns
 from astrai.runtime import run_tasks
@@ -130,37 +129,3 @@ def write_packed_shard(worker: Worker, task: ShardTask):
     finally:
         for src in parts.values():
             src.close()
-
-
-class Intermediate:
-    """One partition's token files, read a piece at a time with pread.
-
-    Never memory-mapped: in bfd order a shard's pieces are scattered over every partition, and a
-    mapping makes each touched page (a whole large folio on recent kernels) resident in this
-    process, so RSS would grow with the intermediate's size. pread copies just the piece.
-    """
-
-    def __init__(self, work: Path, part_name: str):
-        lengths = np.load(work / f"{part_name}.lengths.npy")
-        self.starts = np.concatenate([[0], np.cumsum(lengths)])  # token offset of each document
-        self.fds = {}
-        for column in (INPUT_IDS, LABELS):
-            path = token_file(work, part_name, column)
-            if path.exists():
-                self.fds[column] = os.open(path, os.O_RDONLY)
-
-    @property
-    def has_labels(self) -> bool:
-        return LABELS in self.fds
-
-    def read(self, column: str, row: int, start: int, n: int) -> np.ndarray:
-        size = n * TOKEN_DTYPE.itemsize
-        data = os.pread(self.fds[column], size, int(self.starts[row] + start) * TOKEN_DTYPE.itemsize)
-        if len(data) != size:
-            raise EOFError(f"intermediate {column} file is short: {len(data)} of {size} bytes")
-        return np.frombuffer(data, dtype=TOKEN_DTYPE)
-
-    def close(self):
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}

@@ -1,0 +1,20 @@
+import pytest
+
+
+@pytest.fixture
+def loads_in_transformers():
+    """check(path): transformers' AutoModelForCausalLM loads the checkpoint directory and gives our
+    model's logits on random ids (float32, 1e-4)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from astrai.model import CausalContext, load_model
+
+    def check(path, n: int = 12):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ours = load_model(path).eval()
+        ids = torch.randint(0, ours.config.vocab_size, (n,))
+        with torch.no_grad():
+            got = ours.logits(ours(ids, torch.arange(n), CausalContext()))
+            ref = hf(input_ids=ids[None], use_cache=False).logits[0]
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    return check
