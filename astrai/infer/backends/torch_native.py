@@ -5,7 +5,8 @@ together would waste more than the loop costs). A request with cached K/V before
 needs a bottom-right causal mask, and SDPA with an explicit mask computes every block of the
 q_len x kv_len rectangle; on CPU it is split instead into attention over the cached prefix (no mask)
 and causal attention over the new tokens, merged by their log-sum-exps (the CPU flash kernel
-returns them): at 512 new tokens after 512 cached, 1.6 ms against 2.1 ms per layer and request. Decode pads all requests to the longest K/V and runs one
+returns them): at 512 new tokens after 512 cached, 1.9 ms against 2.6 ms per layer and request at
+head_dim 16, 3-8% less at head_dim 64 (bench/cpu_ops.py). Decode pads all requests to the longest K/V and runs one
 SDPA call with a length mask. Slot indices and masks are derived from the meta once per step
 (kept in meta.scratch) and reused by every layer.
 """
