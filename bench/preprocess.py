@@ -20,7 +20,7 @@ from data import chats  # noqa: E402
 
 from astrai.config import Pipeline  # noqa: E402
 from astrai.data.process import Processor, RecordOutput  # noqa: E402
-from astrai.data.tokenizer import load_tokenizer  # noqa: E402
+from astrai.text.tokenizer import load_tokenizer  # noqa: E402
 
 
 def main():

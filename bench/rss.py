@@ -53,7 +53,7 @@ def child(args):
     t0 = time.perf_counter()
     if args.baseline:
         from astrai.data.preprocess.job import Job, Worker
-        from astrai.data.tokenizer import load_tokenizer
+        from astrai.text.tokenizer import load_tokenizer
 
         tok = load_tokenizer(TOKENIZER, str(ROOT))
         Worker.build(Job(pipe, str(tok.path), str(ROOT), args.out))  # tokenizer + added tokens + template

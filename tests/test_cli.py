@@ -1,4 +1,4 @@
-"""The CLI: validate output and exit codes; verbs that have not landed say so and exit 2."""
+"""The CLI: validate output and exit codes."""
 
 import os
 import subprocess
@@ -78,8 +78,8 @@ def test_data_imports_without_torch(tmp_path):
                     raise ImportError("torch is blocked in this test")
         sys.meta_path.insert(0, Block())
         import astrai.data, astrai.config
-        import astrai.data.read, astrai.data.process, astrai.data.mask, astrai.data.template
-        import astrai.data.preprocess, astrai.data.write, astrai.data.tokenizer
+        import astrai.data.read, astrai.data.process, astrai.data.mask, astrai.text.template
+        import astrai.data.preprocess, astrai.data.write, astrai.text.tokenizer
         p = astrai.config.Pipeline.model_validate({"version": 1, "input": {"sections": [{"field": "text"}]}})
         assert "torch" not in sys.modules
         print("ok")

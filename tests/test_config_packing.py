@@ -1,4 +1,4 @@
-"""max_packed_len without packing is said, not ignored silently (issue 14 B9): a warning line naming
+"""max_packed_len without packing is said, not ignored silently: a warning line naming
 the fix (a warning, so `--set preprocessing.packing_strategy=none` on a packing pipeline still runs)."""
 
 import json

@@ -1,9 +1,10 @@
 """The module graph: small files, and no import that runs back up the layers.
 
-Layers, bottom up: schema, runtime, runtime_ray (import nothing from astrai) -> config (loading, pipeline,
-stages, recipe) -> data -> [train, infer] -> recipe (chaining stages) -> cli. data may read the
-pipeline model and the stage options, never the recipe model, the CLI, train or infer; config
-never imports a stage's code.
+Layers, bottom up: schema, errors, runtime, runtime_ray (import nothing from astrai) -> config (loading,
+pipeline, stages, recipe) -> text (tokenizer, chat template, prompts: shared by data, train and infer)
+-> data -> [model, train, infer] -> recipe (chaining stages) -> cli. data may read the pipeline model
+and the stage options, never the recipe model, the CLI, train or infer; config never imports a
+stage's code.
 """
 
 import ast
@@ -19,6 +20,9 @@ MAX_LINES = 400
 
 FORBIDDEN = {  # module prefix -> modules it must not import
     "astrai.schema": ("astrai.",),
+    "astrai.errors": ("astrai.",),
+    "astrai.text": ("astrai.data", "astrai.cli", "astrai.config.recipe", "astrai.train", "astrai.infer", "astrai.model",
+                    "astrai.recipe"),
     "astrai.runtime": ("astrai.",),
     "astrai.runtime_ray": ("astrai.",),
     "astrai.config": ("astrai.data", "astrai.cli", "astrai.train", "astrai.infer", "astrai.model", "astrai.recipe"),

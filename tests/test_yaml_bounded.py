@@ -1,4 +1,4 @@
-"""YAML resource bombs and invalid YAML are located errors, found fast (issue 14 A5)."""
+"""YAML resource bombs and invalid YAML are located errors, found fast."""
 
 import time
 

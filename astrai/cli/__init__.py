@@ -5,7 +5,7 @@
     validate.py    astrai validate FILE
     inspect.py     astrai inspect PIPELINE_OR_RECIPE | OUTDIR
     export.py      astrai export OUT --to hf|jsonl|parquet DEST
-    stub.py        the verbs of stages that have not landed (train, eval, generate): exit 2
+    train.py, eval.py, generate.py   the stage verbs (from the stage registry)
 The stage verbs come from the stage registry (astrai.config.stages): a stage that lands names its
 verb module there and appears here with no change to this file. Options live in astrai.config
 (one declaration each); paths (tokenizer, template, recipe-relative inputs) are resolved by
@@ -26,9 +26,8 @@ _TOOL_VERBS = (("validate", "astrai.cli.validate"), ("inspect", "astrai.cli.insp
 
 
 def verbs() -> list[tuple[str, str]]:
-    # a landed stage without a verb module runs only inside recipes
-    stage_verbs = [(s.name, s.verb if s.landed else "astrai.cli.stub") for s in STAGES.values()
-                   if s.verb or not s.landed]  # a recipe-only stage (tokenizer) counts as landed, has no verb
+    # a stage without a verb module (tokenizer) runs only inside recipes
+    stage_verbs = [(s.name, s.verb) for s in STAGES.values() if s.verb]
     return [("run", "astrai.cli.run"), *stage_verbs, *_TOOL_VERBS]
 
 
@@ -79,7 +78,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        from astrai.data.errors import InputError, RecordError
+        from astrai.errors import InputError, RecordError
         from astrai.runtime_ray import ClusterError
 
         if isinstance(e, (InputError, RecordError, ClusterError)):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from astrai.config import load_any
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 from astrai.data.inspect import (
     add_compare_marks, dataset_report, records_report, render_html, render_json, render_text,
 )

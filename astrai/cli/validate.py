@@ -63,12 +63,12 @@ def run(args) -> int:
 
 def _resources(cfg, args) -> list[str]:
     """The tokenizer, template and inputs the config names: each problem as one line with its fix."""
-    from astrai.data.errors import InputError
+    from astrai.errors import InputError
     from astrai.data.preflight import check_template_markers
     from astrai.data.process import Processor
     from astrai.data.read import expand_inputs
-    from astrai.data.template import resolve_template
-    from astrai.data.tokenizer import load_tokenizer
+    from astrai.text.template import resolve_template
+    from astrai.text.tokenizer import load_tokenizer
 
     problems = []
     inputs = args.inputs or cfg.recipe_inputs

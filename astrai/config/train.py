@@ -57,7 +57,8 @@ class TrainOptions(StrictModel):
     grpo_updates: int = Field(2, ge=1, description="grpo: optimizer steps per drawn batch")
     moe_aux_loss_coef: Optional[float] = Field(None, ge=0, description="MoE load-balancing weight (null: config's)")
 
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="parameter dtype")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="parameter dtype (float64: for exactness checks, e.g. distributed == one process)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     attention: Literal["auto", "loop", "varlen"] = Field("auto", description="packed attention backend")
     lm_loss: Literal["auto", "full", "chunked", "fused"] = Field(

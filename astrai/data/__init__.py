@@ -4,6 +4,6 @@ NOTE: nothing here imports torch at module import time (astrai.data.load imports
 preprocessing runs in environments without torch.
 """
 
-from astrai.data.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError
 
 __all__ = ["InputError", "RecordError"]

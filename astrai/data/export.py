@@ -19,7 +19,7 @@ from typing import Optional
 
 import pyarrow.parquet as pq
 
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, SEQ_LENS
 
 
@@ -88,7 +88,7 @@ def _to_parquet(shards: list[Path], tmp: Path, rows_per_shard: int) -> int:
 
 
 def _to_jsonl(outp: Path, shards: list[Path], tmp: Path, tokenizer: Optional[str]) -> int:
-    from astrai.data.tokenizer import load_tokenizer, with_added_tokens
+    from astrai.text.tokenizer import load_tokenizer, with_added_tokens
 
     manifest = json.loads((outp / "manifest.json").read_text())
     tok = load_tokenizer(tokenizer or manifest["tokenizer"]["path"])

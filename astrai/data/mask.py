@@ -57,7 +57,7 @@ from typing import Optional
 
 import numpy as np
 
-from astrai.data.errors import RecordError
+from astrai.errors import RecordError
 from astrai.data.regions import Region, RenderedChat, prompt_probe, render_with_regions  # noqa: F401
 from astrai.schema import IGNORE_INDEX
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 
 MARKER = re.compile(r"<\|[^<>|\s]{1,40}\|>|(?<!<)</?[a-z][a-z0-9_]{0,30}>(?!>)")
 _PROBES = ("QSYSPROBEQ", "QUSERPROBEQ", "QASSISTANTPROBEQ")

@@ -22,12 +22,12 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from astrai.config.pipeline import Pipeline, Section
-from astrai.data.errors import RecordError
+from astrai.errors import RecordError
 from astrai.data.mask import (
     RenderedChat, TokenSpans, label_tokens, message_of_tokens, prompt_probe, render_with_regions,
 )
-from astrai.data.template import ChatTemplate, resolve_template
-from astrai.data.tokenizer import Tokenizer, with_added_tokens
+from astrai.text.template import ChatTemplate, resolve_template
+from astrai.text.tokenizer import Tokenizer, with_added_tokens
 from astrai.data.turns import answer_sources, empty_messages, end_answer, end_of_turn_id
 from astrai.data.values import check_message_unicode, check_unicode, check_value, type_name
 from astrai.schema import IGNORE_INDEX, value_column

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from astrai.data.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError
 from astrai.runtime import inside_output
 
 SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from astrai.data.errors import RecordError
-from astrai.data.template import REASONING_FIELDS, TemplateRaised
+from astrai.errors import RecordError
+from astrai.text.template import REASONING_FIELDS, TemplateRaised
 
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 _THINK_RE = re.compile(r"(\s*</?think>\s*)")

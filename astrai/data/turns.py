@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from astrai.data.template import REASONING_FIELDS
+from astrai.text.template import REASONING_FIELDS
 from astrai.schema import IGNORE_INDEX
 
 

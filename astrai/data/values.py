@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from astrai.data.errors import RecordError
-from astrai.data.template import REASONING_FIELDS
+from astrai.errors import RecordError
+from astrai.text.template import REASONING_FIELDS
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)

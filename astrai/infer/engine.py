@@ -22,7 +22,7 @@ import torch
 from astrai.config.infer import EngineOptions
 from astrai.infer.backend import select_backend
 from astrai.infer.cache import PagePool, pages_for
-from astrai.infer.chat import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
+from astrai.text.prompt import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
 from astrai.infer.detokenize import OutputText
 from astrai.infer.kv_storage import KVStorage
 from astrai.infer.request import FINISHED, Request, SamplingParams
@@ -107,8 +107,8 @@ class Engine:
         """A checkpoint directory: config.json + safetensors (+ tokenizer files, generation_config.json)."""
         import json
 
-        from astrai.data.tokenizer import load_tokenizer
-        from astrai.model.checkpoint import load_model
+        from astrai.text.tokenizer import load_tokenizer
+        from astrai.model.hf_checkpoint import load_model
 
         path = Path(path)
         model = load_model(path)

@@ -4,7 +4,7 @@ Imports only torch, safetensors and json. See each module's docstring for its gu
 """
 
 from astrai.model.attention import AttentionContext, CausalContext, causal_sdpa
-from astrai.model.checkpoint import load_model, read_config, save_model
+from astrai.model.hf_checkpoint import load_model, read_config, save_model
 from astrai.model.config import PRESETS, ModelConfig
 from astrai.model.rope import Rotary, apply_rotary, inv_freq
 from astrai.model.transformer import CausalLM, load_balancing_loss

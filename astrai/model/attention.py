@@ -6,7 +6,7 @@ computes q [T, Hq, D] and k, v [T, Hkv, D], then calls
     q, k = ctx.rotary(q, k, position_ids, rope)     # default: torch apply_rotary on float32 tables
     o = ctx.attend(layer_idx, q, k, v)              # -> [T, Hq, D]
 
-so one model serves training (a document-isolating context over cu_seqlens, astrai.train.attention)
+so one model serves training (a document-isolating context over cu_seqlens, astrai.train.packed_attention)
 and generation (a KV-cache context, astrai.infer), and a backend may override `rotary` with a fused
 kernel. Grouped-query attention is the context's job too: k/v arrive with Hkv heads, unrepeated.
 The softmax scale is always 1/sqrt(head_dim) (Llama's).

@@ -148,7 +148,7 @@ def _refuse_unsupported(d: dict):
         raise ValueError("this config.json asks for what astrai's model does not compute: " + ", ".join(problems))
 
 
-# Named shapes. tiny: unit tests (fast on 2 CPU cores); small/base: the benchmark shapes of issue 13.
+# Named shapes. tiny: unit tests (fast on 2 CPU cores); small/base: the benchmark shapes (bench/train.py).
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),

@@ -27,6 +27,15 @@ from astrai.model.config import ModelConfig
 from astrai.model.rope import Rotary
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What norms, softmaxes and losses accumulate in: float32, or float64 in a float64 run (exactness checks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(acc_dtype(x.dtype))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -35,7 +44,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
+        h = at_least_float32(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
@@ -97,7 +106,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x):
         logits = self.gate(x)
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(at_least_float32(logits), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)  # renormalised over the chosen experts
         out = torch.zeros_like(x)
@@ -191,9 +200,9 @@ class CausalLM(nn.Module):
 def load_balancing_loss(router_logits: list[torch.Tensor], c: ModelConfig) -> torch.Tensor:
     """Switch-Transformer load balancing over every layer's tokens: E * sum_e f_e * P_e, where f_e
     is the share of top-k assignments that went to expert e and P_e its mean router probability."""
-    logits = torch.cat(router_logits, dim=0).float()
+    logits = at_least_float32(torch.cat(router_logits, dim=0))
     probs = torch.softmax(logits, dim=-1)
     _, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)
-    counts = F.one_hot(chosen, c.num_local_experts).float().sum(dim=(0, 1))
+    counts = F.one_hot(chosen, c.num_local_experts).to(logits.dtype).sum(dim=(0, 1))
     share = counts / logits.shape[0]
     return c.num_local_experts * torch.sum(share * probs.mean(0))

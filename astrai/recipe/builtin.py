@@ -20,7 +20,7 @@ def _tokenizer_extra(options, base_dir) -> dict:
     """The chat template's text goes into tokenizer_config.json: a bundled or .jinja file counts."""
     if not options.chat_template:
         return {}
-    from astrai.data.template import resolve_template
+    from astrai.text.template import resolve_template
     from astrai.recipe.fingerprint import text_digest
 
     return {"chat_template": text_digest(resolve_template(options.chat_template, base_dir=base_dir).source)}
@@ -28,7 +28,7 @@ def _tokenizer_extra(options, base_dir) -> dict:
 
 TOKENIZER = StageKind(
     "tokenizer", TokenizerOptions, run_tokenizer_stage, produces="tokenizer", files=("inputs",),
-    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.data.template"), describe=_describe_tokenizer,
+    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.text.template"), describe=_describe_tokenizer,
     extra=_tokenizer_extra,
     figures=("vocab_size", "records"))
 

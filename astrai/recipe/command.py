@@ -83,7 +83,7 @@ def _to_preprocess_stages(data: dict, pipeline_keys: list[str], path):
 
 
 def run(args) -> int:
-    from astrai.data.errors import InputError
+    from astrai.errors import InputError
     from astrai.recipe.rundir import RunDirError
     from astrai.recipe.runner import Runner
 

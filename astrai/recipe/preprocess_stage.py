@@ -24,7 +24,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from astrai.data.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError
 
 TRAIN, VAL, SPLIT = "train", "val", "split"
 
@@ -96,7 +96,7 @@ def check_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict)
 def preprocess_extra(options: PreprocessOptions, base_dir: Path) -> dict:
     """What the pipeline names and the options do not carry: the pipeline's own tokenizer files and
     its chat template file (a tokenizer given by the stage is fingerprinted as a reference)."""
-    from astrai.data.tokenizer import TOKENIZER_FILES, resolve_tokenizer_path
+    from astrai.text.tokenizer import TOKENIZER_FILES, resolve_tokenizer_path
     from astrai.recipe.fingerprint import path_digest
 
     pipeline = load_stage_pipeline(options, base_dir)
@@ -107,7 +107,7 @@ def preprocess_extra(options: PreprocessOptions, base_dir: Path) -> dict:
         out["tokenizer"] = {n: path_digest(tok_dir / n) for n in TOKENIZER_FILES if (tok_dir / n).exists()}
     template = pipeline.chat_template
     if template:
-        from astrai.data.template import bundled_templates
+        from astrai.text.template import bundled_templates
 
         path = bundled_templates().get(template) or pipe_dir / template  # bundled files are not .py code
         if path.is_file():

@@ -78,7 +78,7 @@ class Runner:
 
     def _path(self, value: str) -> Path:
         if value.startswith("package:"):
-            from astrai.data.tokenizer import resolve_tokenizer_path
+            from astrai.text.tokenizer import resolve_tokenizer_path
 
             return resolve_tokenizer_path(value)
         p = Path(value).expanduser()

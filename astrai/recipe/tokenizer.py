@@ -7,7 +7,7 @@ What it guarantees:
   <|im_end|>) and bos/eos/pad are single special tokens, never split by the BPE;
 - the output is a normal Hugging Face tokenizer directory: tokenizer.json plus tokenizer_config.json
   carrying the chat template and the special tokens, so `transformers.AutoTokenizer.from_pretrained`
-  and `astrai.data.tokenizer.load_tokenizer` both load it, with the same ids (tests compare them);
+  and `astrai.text.tokenizer.load_tokenizer` both load it, with the same ids (tests compare them);
 - determinism: the same records and options give byte-identical files (BPE merges are chosen by
   count, ties by pair order; the files are written with sorted keys).
 
@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from astrai.data.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError
 
 TEMPLATE_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")  # ChatML/Llama-3 style marker literals
 
@@ -169,7 +169,7 @@ def _template_source(spec: Optional[str], base_dir) -> Optional[str]:
     if spec == "tokenizer":
         raise InputError("tokenizer stage: chat_template 'tokenizer' means 'the template of the tokenizer being "
                          "trained', which does not exist yet; name a bundled template (e.g. chatml) or a .jinja")
-    from astrai.data.template import resolve_template
+    from astrai.text.template import resolve_template
 
     return resolve_template(spec, base_dir=base_dir).source
 

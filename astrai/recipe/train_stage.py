@@ -21,7 +21,7 @@ from typing import Optional
 
 from pydantic import Field, model_validator
 
-from astrai.train.options import TrainOptions
+from astrai.config.train import TrainOptions
 
 RECIPE_SET = ("output",)  # fields the recipe fills in
 

@@ -37,7 +37,7 @@ class TrainData:
     @property
     def tokenizer(self):
         if self._tok is None:
-            from astrai.data.tokenizer import load_tokenizer, with_added_tokens
+            from astrai.text.tokenizer import load_tokenizer, with_added_tokens
 
             man = self.dataset.manifest
             tok = load_tokenizer(man["tokenizer"]["path"])
@@ -57,7 +57,7 @@ class TrainData:
                 shutil.copyfile(tok.path / name, Path(out) / name)
         spec = self.dataset.manifest["pipeline"].get("chat_template")
         if spec and spec != "tokenizer" and not (Path(out) / "chat_template.jinja").exists():
-            from astrai.data.template import bundled_templates
+            from astrai.text.template import bundled_templates
 
             bundled = bundled_templates()
             if spec in bundled:  # a template file path is the pipeline's; a bundled one we can ship

@@ -1,7 +1,7 @@
 """The LM head and its loss without holding the whole [tokens, vocab] logits.
 
 At a 32k vocabulary the head plus cross-entropy is the largest cost of a small model's step, and
-its float32 logits the largest tensors (issue 13: 63% of the step); at 129k it dominates. Three
+its float32 logits the largest tensors (63% of a small model's step, bench/train.py); at 129k it dominates. Three
 ways to compute the same numbers, picked by `mode`:
 
 - "full": logits for every trained position at once (fastest when they fit).
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from astrai.config.train import LOSS_CHUNK
+from astrai.model.transformer import acc_dtype, at_least_float32
 from astrai.schema import IGNORE_INDEX
 
 MODES = ("auto", "full", "chunked", "fused")
@@ -50,7 +51,7 @@ def shift_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tenso
 
 def _ce_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float) -> torch.Tensor:
     # as torch.nn.functional.cross_entropy(label_smoothing=e): (1-e)*nll + e*mean_v(-log p_v)
-    return F.cross_entropy(z.float(), y, reduction="none", label_smoothing=smoothing)
+    return F.cross_entropy(at_least_float32(z), y, reduction="none", label_smoothing=smoothing)
 
 
 def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mode: str = "full",
@@ -79,7 +80,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                    chunk: int = LOSS_CHUNK) -> torch.Tensor:
     """log p(target) per position [T] in float32; 0 where there is no target."""
     keep = targets != IGNORE_INDEX
-    out = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    out = torch.zeros(targets.shape, dtype=acc_dtype(hidden.dtype), device=hidden.device)
     h, y = hidden[keep], targets[keep]
     if h.shape[0] == 0:
         return out + hidden.sum() * 0.0
@@ -93,7 +94,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 
 def _chunk_logp(h, weight, y):
-    z = (h @ weight.t()).float()
+    z = at_least_float32(h @ weight.t())
     return z.gather(1, y[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
 
 
@@ -111,15 +112,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, y, chunk, smoothing):
         vocab = weight.shape[0]
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if weight.requires_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        buf = torch.empty((min(chunk, h.shape[0]), vocab), dtype=torch.float32, device=h.device)
+        acc = acc_dtype(h.dtype)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
+        total = torch.zeros((), dtype=acc, device=h.device)
+        buf = torch.empty((min(chunk, h.shape[0]), vocab), dtype=acc, device=h.device)
         for s in range(0, h.shape[0], chunk):
             hc, yc = h[s:s + chunk], y[s:s + chunk]
             rows = torch.arange(len(yc), device=h.device)
             z = buf[:len(yc)]
-            if h.dtype == torch.float32 and weight.dtype == torch.float32:
+            if h.dtype == acc and weight.dtype == acc:
                 torch.mm(hc, weight.t(), out=z)
             else:
                 z.copy_(hc @ weight.t())
@@ -140,7 +141,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             g = g.to(h.dtype)  # no copy in float32
             torch.mm(g, weight.to(g.dtype), out=grad_h[s:s + chunk])
             if grad_w is not None:
-                grad_w.addmm_(g.t().float(), hc.float())
+                grad_w.addmm_(g.t().to(acc), hc.to(acc))
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.has_w = grad_w is not None
         ctx.w_dtype = weight.dtype

@@ -19,7 +19,7 @@ from astrai.model import CausalLM, ModelConfig, load_model, save_model
 from astrai.model.config import PRESETS
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import finish, full_model_state, setup, teardown
-from astrai.train.options import TrainOptions
+from astrai.config.train import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
 

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from astrai.config.train import LOSS_CHUNK
 from astrai.schema import IGNORE_INDEX
-from astrai.train.attention import packed_context
+from astrai.train.packed_attention import packed_context
 from astrai.train.batches import collate_dpo, collate_grpo, collate_lm
+from astrai.model.transformer import acc_dtype
 from astrai.train.lm_loss import cross_entropy_sum, token_logprobs
 
 
@@ -117,7 +118,7 @@ class DPOStrategy(Strategy):
                 s, _ = self._seq_logps(self.ref, b, env)
                 for j, i in enumerate(idx):
                     self.cache[i] = (float(s[2 * j]), float(s[2 * j + 1]))
-            b["ref_logps"] = torch.tensor([v for i in idx for v in self.cache[i]], dtype=torch.float32,
+            b["ref_logps"] = torch.tensor([v for i in idx for v in self.cache[i]], dtype=acc_dtype(env.dtype),
                                           device=env.device)
 
     def loss(self, model, batch, env):
@@ -159,7 +160,7 @@ class GRPOStrategy(Strategy):
         valid = batch["targets"] != IGNORE_INDEX
         cu = batch["cu_seqlens"]
         lens = (cu[1:] - cu[:-1]).to(logp.device)
-        adv = torch.repeat_interleave(batch["advantages"].to(logp.device), lens)
+        adv = torch.repeat_interleave(batch["advantages"].to(device=logp.device, dtype=logp.dtype), lens)
         ratio = torch.exp(logp - batch["old_logps"])
         clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
         per_token = -torch.minimum(ratio * adv, clipped * adv)

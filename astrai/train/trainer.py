@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from astrai.train import checkpoints
+from astrai.train import resume
 from astrai.train.batches import RankSampler
 from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
 from astrai.train.distributed import (Dist, all_sum, barrier, full_model_state, full_optimizer_state, gradient_sync,
@@ -35,7 +35,7 @@ from astrai.train.distributed import (Dist, all_sum, barrier, full_model_state, 
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.strategies import Env, Strategy
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass
@@ -112,18 +112,18 @@ class Trainer:
         if self.sharded:
             model_sd, optim_sd = full_model_state(self.raw_model), full_optimizer_state(self.raw_model, self.optimizer)
         if self.dist.is_main:
-            checkpoints.save(self.checkpoint_dir, self.state.global_step, self.raw_model, self.optimizer,
+            resume.save(self.checkpoint_dir, self.state.global_step, self.raw_model, self.optimizer,
                              self.scheduler, {**self.state.saved(), "options": self.opts.model_dump(mode="json")},
                              self.write_tokenizer, model_sd, optim_sd)
-            checkpoints.prune(self.checkpoint_dir, self.opts.keep_last)
+            resume.prune(self.checkpoint_dir, self.opts.keep_last)
         if self.sharded:
             barrier(self.dist)
 
     def resume(self) -> Optional[Path]:
-        path = checkpoints.latest(self.checkpoint_dir)
+        path = resume.latest(self.checkpoint_dir)
         if path is None:
             return None
-        saved = checkpoints.load(path, self.raw_model, self.optimizer, self.scheduler)
+        saved = resume.load(path, self.raw_model, self.optimizer, self.scheduler)
         for k in ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step"):
             setattr(self.state, k, saved[k])
         return path

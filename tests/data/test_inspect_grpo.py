@@ -1,4 +1,4 @@
-"""inspect on GRPO data (issue 14 B8): the prompt comes before its completions, in records and in
+"""inspect on GRPO data: the prompt comes before its completions, in records and in
 written rows, and rewards print in their shortest float32 form (0.8, not 0.800000011920929)."""
 
 import json

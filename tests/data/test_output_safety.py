@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 from astrai.data.preprocess import run_preprocess
 from astrai.runtime import OUTPUT_MARKER, output_lock
 sys.path.insert(0, str(Path(__file__).parent))

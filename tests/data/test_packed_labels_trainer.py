@@ -1,4 +1,4 @@
-"""Packed shards are safe in any Hugging Face trainer (issue 14 B12): labels are always written, with
+"""Packed shards are safe in any Hugging Face trainer: labels are always written, with
 IGNORE_INDEX at each document's first position, so transformers' Trainer on a packed row gives the
 token-weighted loss of its documents run alone (nothing learnt across a document boundary)."""
 

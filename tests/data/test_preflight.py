@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from astrai.config import Pipeline
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 from astrai.data.preprocess import run_preprocess
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -48,7 +48,7 @@ def test_markers_missing_from_the_tokenizer_fail_before_any_work(tmp_path, plain
 
 def test_llama2_style_plain_text_markers_are_not_required_tokens():
     from astrai.data.preflight import template_markers
-    from astrai.data.template import ChatTemplate
+    from astrai.text.template import ChatTemplate
 
     src = ("{% for m in messages %}{% if m.role == 'user' %}{{ bos_token }}[INST] <<SYS>>x<</SYS>> {{ m.content }} "
            "[/INST]{% else %} {{ m.content }} {{ eos_token }}{% endif %}{% endfor %}")

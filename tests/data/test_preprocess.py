@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from astrai.config import Pipeline
-from astrai.data.errors import RecordError
+from astrai.errors import RecordError
 from astrai.data.preprocess import run_preprocess
 from astrai.data.process import Processor, RecordOutput
-from astrai.data.tokenizer import load_tokenizer
+from astrai.text.tokenizer import load_tokenizer
 from astrai.schema import IGNORE_INDEX
 
 WORDS = "hello world how are you today the quick brown fox jumps over lazy dog yes no maybe".split()

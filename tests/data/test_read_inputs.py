@@ -1,4 +1,4 @@
-"""Inputs (issue 14 B7): skipped files in a directory are listed, .jsonl.gz / .jsonl.zst are read
+"""Inputs: skipped files in a directory are listed, .jsonl.gz / .jsonl.zst are read
 streamed with the right line numbers, an empty file or directory warns."""
 
 import gzip
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from astrai.config import Pipeline
-from astrai.data.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError
 from astrai.data.preprocess import run_preprocess
 from astrai.data.read import expand_inputs, plan_partitions, read_partition
 

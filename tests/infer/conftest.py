@@ -8,7 +8,7 @@ import pytest
 def checkpoint(tmp_path_factory, tiny_tokenizer):
     """A tiny random model directory with the test tokenizer and a ChatML template in tokenizer_config."""
     torch = pytest.importorskip("torch")
-    from astrai.data.template import TEMPLATE_DIR
+    from astrai.text.template import TEMPLATE_DIR
     from astrai.model import CausalLM, ModelConfig, save_model
 
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from astrai.data.tokenizer import load_tokenizer
+from astrai.text.tokenizer import load_tokenizer
 from astrai.infer.detokenize import OutputText
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from astrai.data.template import TEMPLATE_DIR
+from astrai.text.template import TEMPLATE_DIR
 from astrai.infer.engine import Engine, EngineOptions
 from astrai.infer.request import SamplingParams
 from astrai.infer.scheduler import RequestTooLarge

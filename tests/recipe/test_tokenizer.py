@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 from astrai.recipe.tokenizer import TokenizerOptions, record_texts, special_tokens_for, train_tokenizer
 
 SAMPLES = [
@@ -62,7 +62,7 @@ def test_special_tokens_are_template_markers_plus_bos_eos_pad():
 def test_autotokenizer_and_astrai_agree(trained):
     from transformers import AutoTokenizer
 
-    from astrai.data.tokenizer import load_tokenizer
+    from astrai.text.tokenizer import load_tokenizer
 
     out, metrics = trained
     assert metrics["records"] == 200 and metrics["vocab_size"] == 400
@@ -90,8 +90,8 @@ def test_autotokenizer_and_astrai_agree(trained):
 def test_chat_template_renders_as_in_transformers(trained):
     from transformers import AutoTokenizer
 
-    from astrai.data.template import ChatTemplate
-    from astrai.data.tokenizer import load_tokenizer
+    from astrai.text.template import ChatTemplate
+    from astrai.text.tokenizer import load_tokenizer
 
     out, _ = trained
     hf = AutoTokenizer.from_pretrained(str(out))

@@ -11,7 +11,7 @@ def loads_in_transformers():
 
     def check(path, n: int = 12):
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        ours = load_model(path).eval()
+        ours = load_model(path, dtype=torch.float32).eval()
         ids = torch.randint(0, ours.config.vocab_size, (n,))
         with torch.no_grad():
             got = ours.logits(ours(ids, torch.arange(n), CausalContext()))

@@ -6,7 +6,7 @@ import torch
 
 from astrai.model import CausalContext, CausalLM, ModelConfig
 from astrai.schema import IGNORE_INDEX
-from astrai.train.attention import DocumentLoopContext, packed_context
+from astrai.train.packed_attention import DocumentLoopContext, packed_context
 from astrai.train.lm_loss import cross_entropy_sum, shift_targets
 
 

@@ -30,15 +30,15 @@ def _losses(out):
 @pytest.mark.slow
 def test_two_processes_equal_one_with_the_doubled_batch(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "one"), "--batch", "4", "--epochs", "1"],
+    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "one"), "--batch", "4", "--epochs", "1", "--opt", 'dtype="float64"'],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        SCRIPT, str(tmp_path / "two"), "--batch", "2", "--epochs", "1"],
+                        SCRIPT, str(tmp_path / "two"), "--batch", "2", "--epochs", "1", "--opt", 'dtype="float64"'],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(one) == len(two) == 3
     for a, b in zip(one, two):
-        assert abs(a - b) < 1e-5, (one, two)
+        assert abs(a - b) < 1e-9, (one, two)  # float64: equal up to summation order
     assert len(list((tmp_path / "two").glob("checkpoints/step-*"))) >= 1

@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import train_script as ts  # noqa: E402
 
-from astrai.model.checkpoint import read_tensors  # noqa: E402
-from astrai.train import checkpoints  # noqa: E402
+from astrai.model.hf_checkpoint import read_tensors  # noqa: E402
+from astrai.train import resume  # noqa: E402
 from astrai.train.callbacks import Callback  # noqa: E402
 from astrai.train.strategies import make_strategy  # noqa: E402
 from astrai.train.trainer import Trainer  # noqa: E402
@@ -108,14 +108,14 @@ def test_resume_after_kill_is_bitwise_exact(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, str(killed), "--kill-at", "5"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == -signal.SIGKILL
-    assert checkpoints.latest(killed / "checkpoints").name == "step-00000004"
+    assert resume.latest(killed / "checkpoints").name == "step-00000004"
     r = subprocess.run([sys.executable, SCRIPT, str(killed)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     ref = _losses(full)
     assert len(ref) == 12  # 24 rows / (2 x 2) = 6 steps x 2 epochs
     assert _losses(killed) == ref  # bitwise: float equality of every step's loss
-    a = read_tensors(checkpoints.latest(full / "checkpoints"))
-    b = read_tensors(checkpoints.latest(killed / "checkpoints"))
+    a = read_tensors(resume.latest(full / "checkpoints"))
+    b = read_tensors(resume.latest(killed / "checkpoints"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -132,7 +132,7 @@ def test_sigterm_writes_a_checkpoint(tmp_path):
     assert "STOPPED SIGTERM" in stdout
     step = int(stdout.split("STEP")[1])
     assert 0 < step < 12
-    latest = checkpoints.latest(out / "checkpoints")
+    latest = resume.latest(out / "checkpoints")
     assert json.loads((latest / "trainer_state.json").read_text())["global_step"] == step
 
 
@@ -140,12 +140,12 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
     root = tmp_path / "checkpoints"
     t = Trainer(ts.model(), make_strategy("sft"), ts.synthetic_rows(8), ts.options(tmp_path, epochs=1))
     t.fit()
-    good = checkpoints.latest(root)
+    good = resume.latest(root)
     # what a kill mid-save leaves: a hidden temporary directory, or a directory without trainer_state.json
     (root / ".step-00000009.tmp-1234").mkdir()
     (root / ".step-00000009.tmp-1234" / "model.safetensors").write_bytes(b"partial")
     (root / "step-00000010").mkdir()
-    assert checkpoints.latest(root) == good
+    assert resume.latest(root) == good
     for f in ("config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json"):
         assert (good / f).exists(), f
 

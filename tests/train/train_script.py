@@ -17,7 +17,7 @@ from astrai.model import CausalLM, ModelConfig
 from astrai.schema import IGNORE_INDEX
 from astrai.train.callbacks import Callback
 from astrai.train.distributed import finish, setup, teardown
-from astrai.train.options import TrainOptions
+from astrai.config.train import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
 

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 from astrai.data.inspect.tokens import TokenText
 from astrai.data.inspect.views import Entry, Report, shortest_floats
 from astrai.schema import (
@@ -28,7 +28,7 @@ from astrai.schema import (
 
 
 def dataset_report(out: Path, wanted: list[int], tokenizer: Optional[str], explicit: bool = False) -> Report:
-    from astrai.data.tokenizer import load_tokenizer, with_added_tokens
+    from astrai.text.tokenizer import load_tokenizer, with_added_tokens
 
     man_path = out / "manifest.json"
     if not man_path.exists():

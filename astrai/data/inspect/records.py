@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from astrai.data.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError
 from astrai.data.inspect.tokens import TokenText
 from astrai.data.inspect.views import Entry, Report, shortest_floats
 from astrai.data.stats import Tally, record_stats
@@ -34,7 +34,7 @@ def records_report(title: str, pipeline, base_dir: str, tokenizer: str, inputs: 
     """The wanted records of `inputs` under `pipeline` (paths resolved by the caller: astrai.cli.inspect)."""
     from astrai.data.process import Processor
     from astrai.data.read import expand_inputs
-    from astrai.data.tokenizer import load_tokenizer
+    from astrai.text.tokenizer import load_tokenizer
 
     proc = Processor(pipeline, load_tokenizer(tokenizer, base_dir), base_dir)
     seen: dict = {}

@@ -44,6 +44,6 @@ class Worker:
 
     @staticmethod
     def build(job: Job) -> "Worker":
-        from astrai.data.tokenizer import load_tokenizer
+        from astrai.text.tokenizer import load_tokenizer
 
         return Worker(job, Processor(job.pipeline, load_tokenizer(job.tokenizer), job.base_dir))

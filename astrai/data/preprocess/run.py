@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from astrai import __version__
 from astrai.config.pipeline import Pipeline
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 from astrai.data.preprocess.job import WORK, Job, Worker
 from astrai.data.preflight import check_reject_share, check_template_markers
 from astrai.data.preprocess.pack import pack_globally
@@ -30,8 +30,8 @@ from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition
 from astrai.data.process import Processor
 from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_partitions
 from astrai.data.stats import dataset_stats
-from astrai.data.template import resolve_template
-from astrai.data.tokenizer import load_tokenizer
+from astrai.text.template import resolve_template
+from astrai.text.tokenizer import load_tokenizer
 from astrai.runtime import (OUTPUT_MARKER, OutputBusy, Progress, atomic_write_text, claim_output, file_identity,
                             is_done, is_ours, marker_info, output_lock, read_marker, remove_stale_tmp, run_tasks)
 

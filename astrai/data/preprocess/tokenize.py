@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from astrai.data.errors import RecordError
+from astrai.errors import RecordError
 from astrai.data.preprocess.job import Worker
 from astrai.data.preprocess.shards import IntermediateSink, ShardSink
 from astrai.data.process import Filtered

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from astrai.infer.backend import ENV_VAR, AttentionBackend, AttentionMeta, BackendUnavailable
-from astrai.kernels.attention import KernelAttention
+from astrai.kernels.kernel_attention import KernelAttention
 from astrai.kernels.launch import ATTN_DTYPES
 
 

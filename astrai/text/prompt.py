@@ -18,8 +18,8 @@ from typing import Optional, Sequence, Union
 
 import jinja2
 
-from astrai.data.template import ChatTemplate, TemplateRaised, resolve_template
-from astrai.data.tokenizer import Tokenizer
+from astrai.text.template import ChatTemplate, TemplateRaised, resolve_template
+from astrai.text.tokenizer import Tokenizer
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 _PROBE = "\x00astrai-probe\x00"

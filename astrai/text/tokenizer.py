@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from astrai.config.pipeline import package_spec_problem
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

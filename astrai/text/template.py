@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
-from astrai.data.errors import InputError
+from astrai.errors import InputError
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates"  # package data: ships in the wheel
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from astrai.model.checkpoint import read_tensors, save_model
+from astrai.model.hf_checkpoint import read_tensors, save_model
 from astrai.train.distributed import load_full_state
 
 STATE = "trainer_state.json"
