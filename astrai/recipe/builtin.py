@@ -49,7 +49,9 @@ def _train_kind() -> StageKind:
         refs={"data": ("data",), "val_data": ("data",), "model": ("model",)}, path_refs=frozenset({"model"}),
         literals={"model": tuple(PRESETS)},
         code=("astrai.train", "astrai.model", "astrai.recipe.train_stage"), describe=describe_train,
-        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop"))
+        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop",
+                                    "val_reward_accuracy_start", "val_reward_accuracy", "val_reward_margin",
+                                    "val_policy_reward_start", "val_policy_reward"))
 
 
 def _eval_kind() -> StageKind:

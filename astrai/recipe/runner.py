@@ -12,7 +12,8 @@ Stages outside the selection are never run; a selected stage that reads one of t
 and current, which is checked before any work starts.
 
 The run writes RUN/summary.json and prints a table (stage, kind, status, time, key figures). A stage
-reporting `loss_curve` ({"train": [[step, loss], ...], "val": [...]}) gets a loss.png.
+reporting `loss_curve` (astrai.plot's panels: {"loss": {"train": [[step, loss], ...], "val": ...},
+"learning rate": ..., reward panels}) gets a loss.png.
 """
 
 from __future__ import annotations
@@ -173,10 +174,11 @@ class Runner:
         seconds = time.time() - began
         write_json(sd.metrics_file, metrics)
         if metrics.get(LOSS_CURVE):
-            from astrai.recipe.plot import write_loss_png
+            from astrai.plot import write_plot
 
-            write_loss_png(sd.loss_png, metrics[LOSS_CURVE])
-            write_loss_png(self.run_dir.loss_png, metrics[LOSS_CURVE])
+            title = f"{self.recipe.name}: {stage.name}"
+            write_plot(sd.loss_png, metrics[LOSS_CURVE], title)
+            write_plot(self.run_dir.loss_png, metrics[LOSS_CURVE], title)
         # Written last: this rename is what makes the stage done.
         sd.write_state({**base, "status": "done", "seconds": seconds, "finished": time.time(),
                         "output_id": uuid.uuid4().hex, "resumed": resume})

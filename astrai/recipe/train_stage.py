@@ -9,8 +9,9 @@ labels, dpo/grpo their own records), and eval_every has validation data to use.
 Killed or interrupted, the stage is rerun by `astrai run` in the same output directory, and
 run_train continues from its last checkpoint (resume: auto); the final loss equals an
 uninterrupted run's because checkpoints carry the optimizer, scheduler, RNG and sampler state.
-The validation loss is also measured before the first step, so the summary can say by how much
-training lowered it; the stage reports `loss_curve` for the run directory's loss.png.
+The validation figures (the loss, and for DPO/GRPO the held-out reward figures) are also measured
+before the first step, so the table can say how training moved them; the stage reports
+`loss_curve` (astrai.plot's panels) for the run directory's loss.png.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Optional
 
 from pydantic import Field, model_validator
 
-from astrai.config.train import TrainOptions
+from astrai.config.train import TrainOptions, save_every_problems
 
 RECIPE_SET = ("output",)  # fields the recipe fills in
 
@@ -40,6 +41,8 @@ class TrainStageOptions(TrainOptions):
             raise ValueError("output is decided by the recipe (RUN/<stage>/output); remove it")
         if self.ref_model is not None and self.strategy not in ("dpo", "grpo"):
             raise ValueError(f"ref_model is only used by dpo and grpo, not {self.strategy}")
+        for _, problem in save_every_problems(self.strategy, self.save_every, self.grpo_updates):
+            raise ValueError(problem)
         return self
 
 
@@ -96,28 +99,28 @@ def run_train_stage(ctx) -> dict:
     if result.get("stopped") is not None:
         # a signal stopped training after a checkpoint: not done; `astrai run` again resumes it
         raise KeyboardInterrupt(f"training stopped by signal {result['stopped']} at step {result['steps']}")
-    return train_metrics(result, metrics_file)
+    return train_metrics(result, metrics_file, options.strategy)
 
 
-def train_metrics(result: dict, metrics_file: Path) -> dict:
-    train, val = [], []
-    if metrics_file.exists():
-        for line in metrics_file.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("loss") is not None:
-                train.append([rec["step"], rec["loss"]])
-            if rec.get("val_loss") is not None:
-                val.append([rec["step"], rec["val_loss"]])
-    # a resumed run may have logged a step twice (after its last checkpoint): keep the latest record
-    train = sorted({s: v for s, v in train}.items())
-    val = sorted({s: v for s, v in val}.items())
-    out = {"steps": result.get("steps"), "train_loss": result.get("loss"), "val_loss": result.get("val_loss"),
-           "checkpoint": result.get("final")}
-    if val:
-        out["val_loss_start"] = val[0][1]
-        out["val_loss"] = val[-1][1]
-        out["val_loss_drop"] = val[0][1] - val[-1][1]
-    out["loss_curve"] = {"train": [list(p) for p in train], "val": [list(p) for p in val]}
+def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft") -> dict:
+    """The stage's key figures (first and last of each validation figure; the drop of val_loss) and
+    its curves for the run's loss.png (astrai.plot). GRPO's validation loss is left out of the
+    figures: with the old policy equal to the current one it is -sum(advantage * tokens) plus the
+    KL, which says nothing about learning (its held-out policy-weighted reward does)."""
+    from astrai.plot import curves
+    from astrai.train.summary import figures, read_records
+
+    records = read_records(metrics_file)
+    f = figures(records)
+    out = {"steps": result.get("steps"), "train_loss": f.get("loss", result.get("loss")),
+           "val_loss": result.get("val_loss"), "checkpoint": result.get("final")}
+    if strategy == "grpo":
+        f = {k: v for k, v in f.items() if not k.startswith("val_loss")}
+        out["val_loss"] = None
+    out |= {k: v for k, v in f.items() if k.startswith("val_")}
+    if "val_loss" in f:
+        out["val_loss_drop"] = f["val_loss_start"] - f["val_loss"]
+    out["loss_curve"] = curves(records)
     return out
 
 
@@ -135,7 +138,7 @@ class _InitialValidation:
     def on_train_begin(self, trainer):
         if trainer.state.global_step != 0:  # resumed: step 0 was measured by the first run
             return
-        rec = {"step": 0, "val_loss": trainer.validate()}  # every rank: validate sums across ranks
+        rec = {"step": 0, **trainer.evaluate()}  # every rank: evaluate sums across ranks
         trainer.state.history.append(rec)
         if not trainer.dist.is_main:
             return

@@ -70,18 +70,20 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 
 
 def collate_grpo(rows: list[dict], eps: float = 1e-4) -> dict:
-    ids, labels, adv, rewards = [], [], [], []
+    ids, labels, adv, rewards, sizes = [], [], [], [], []
     for r in rows:
         prompt = list(r["prompt_input_ids"])
         rw = torch.tensor(r["rewards"], dtype=torch.float32)
         adv.append(group_advantages(rw, eps))
         rewards.append(rw)
+        sizes.append(len(rw))
         for comp, comp_labels in zip(r["completion_input_ids"], r["completion_labels"]):
             ids.append(prompt + list(comp))
             labels.append([IGNORE_INDEX] * len(prompt) + list(comp_labels))
     b = _flat(ids, labels)
     b["advantages"] = torch.cat(adv)
     b["rewards"] = torch.cat(rewards)
+    b["group_sizes"] = sizes
     return b
 
 

@@ -5,12 +5,15 @@ rounded up to a multiple of 64), a config.json (fresh weights), or a checkpoint 
 (config.json + safetensors, ours or a transformers one). DPO/GRPO use a frozen copy of the
 initial model as the reference unless `ref_model` names one. Everything is checked before any
 training step. Rank 0 writes `OUTPUT/final/` (model + tokenizer: what transformers and
-`astrai generate` load) and `OUTPUT/metrics.jsonl`; checkpoints are under `OUTPUT/checkpoints/`.
+`astrai generate` load), `OUTPUT/metrics.jsonl` and `OUTPUT/loss.png` (loss, learning rate and
+reward curves: astrai.plot); checkpoints are under `OUTPUT/checkpoints/`. The result carries the
+run's figures (astrai.train.summary), which `astrai train` prints.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +22,9 @@ from astrai.model import CausalLM, ModelConfig, load_model, save_model
 from astrai.model.config import PRESETS
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import finish, full_model_state, setup, teardown
+from astrai.plot import curves, write_plot
+from astrai.train.report import check_reporters
+from astrai.train.summary import figures, read_records
 from astrai.config.train import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
@@ -49,6 +55,9 @@ def build_model(spec: str, data: TrainData, seed: int) -> CausalLM:
 def run_train(options: TrainOptions, callbacks=()) -> dict:
     if options.data is None:
         raise TrainConfigError("data is required: the preprocessed directory to train on")
+    missing = check_reporters(options.reporters)
+    if missing:
+        raise TrainConfigError("; ".join(missing))
     data = TrainData(options.data)
     model = build_model(options.model, data, options.seed)
     problems = compat_problems(options.strategy, data, model.config.vocab_size)
@@ -70,17 +79,26 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
             ref.to(device=dist.device, dtype=getattr(torch, options.dtype))
         trainer = Trainer(model, strategy, data.dataset, options, val_dataset=val.dataset if val else None,
                           callbacks=tuple(callbacks), dist=dist, write_tokenizer=data.write_tokenizer)
+        began = time.perf_counter()
         state = trainer.fit()
-        final = Path(options.output) / "final"
+        out = Path(options.output)
+        final = out / "final"
         full = full_model_state(trainer.raw_model) if state.stopped is None else None  # collective under fsdp
-        if dist.is_main and state.stopped is None:
-            save_model(trainer.raw_model, final, full)
-            data.write_tokenizer(final)
-        last = next((r for r in reversed(state.history) if "loss" in r), {})
-        val_loss = next((r["val_loss"] for r in reversed(state.history) if "val_loss" in r), None)
+        # the whole run's records (a resumed run's file holds the earlier sessions too); rank 0 wrote them
+        records = read_records(out / "metrics.jsonl") if dist.is_main else state.history
+        plot = None
+        if dist.is_main:
+            if state.stopped is None:
+                save_model(trainer.raw_model, final, full)
+                data.write_tokenizer(final)
+            if records:
+                plot = str(write_plot(out / "loss.png", curves(records), f"{options.strategy}: {out.name}"))
         finish(dist)  # final/ is on disk before any rank returns; and see distributed.finish
-        return {"output": str(options.output), "final": str(final) if state.stopped is None else None,
-                "steps": state.global_step, "loss": last.get("loss"), "val_loss": val_loss,
-                "stopped": state.stopped}
+        f = figures(records)
+        return {"output": str(out), "final": str(final) if state.stopped is None else None,
+                "steps": state.global_step, "loss": f.get("loss"), "val_loss": f.get("val_loss"),
+                "stopped": state.stopped, "seconds": time.perf_counter() - began, "figures": f, "plot": plot,
+                "val_data": options.val_data,
+                "tensorboard": str(out / "runs") if "tensorboard" in options.reporters else None}
     finally:
         teardown(dist)

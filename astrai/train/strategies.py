@@ -10,11 +10,16 @@ the seed divided each micro-batch's mean by the number of micro-steps instead).
 - dpo:  -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), pi/ref = the sum of a sequence's
         token log-probs over its trained tokens; units = pairs. The reference model is frozen, so
         its log-probs are computed once per row and cached (once per run, hence once per epoch).
-- grpo: per trained completion token, -min(rho * A, clip(rho, 1-eps, 1+eps) * A) + kl_coef * k3,
-        rho = pi / pi_old, k3 = exp(ref - pi) - (ref - pi) - 1 (Schulman's unbiased, positive KL
-        estimator), A the group-normalised advantage of the completion; units = completion tokens.
-        pi_old is the policy when the batch was drawn: `prepare` records it, then the trainer runs
-        `updates` optimizer steps on the same batch, so the clip acts from the second update on.
+- grpo: the clipped surrogate plus a k3 KL per trained completion token (astrai.train.grpo);
+        units = completion tokens. pi_old is the policy when the batch was drawn: `prepare` records
+        it, then the trainer runs `updates` optimizer steps on the same batch.
+
+Metrics: each loss also returns figures for the logs. A plain number is a sum over the step's
+units (the trainer divides by them); a pair (sum, count) is a mean over its own count (groups,
+completions), summed over micro-batches and ranks before the division. DPO's are TRL's: with
+r = beta * (pi - ref), reward_chosen/reward_rejected the mean r of each side, reward_accuracy the
+share of pairs with r_chosen > r_rejected, reward_margin the mean r_chosen - r_rejected,
+logp_chosen/logp_rejected the policy's mean summed log-probs.
 
 MoE: the load-balancing loss of each forward is added as coef * aux * (micro units / step units),
 so it too sums to one weighted mean per step; task loss, aux and weighted aux are logged apart.
@@ -23,7 +28,6 @@ so it too sums to one weighted mean per step; task loss, aux and weighted aux ar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from astrai.config.train import LOSS_CHUNK
 from astrai.schema import IGNORE_INDEX
 from astrai.train.packed_attention import packed_context
-from astrai.train.batches import collate_dpo, collate_grpo, collate_lm
+from astrai.train.batches import collate_dpo, collate_lm
 from astrai.model.transformer import acc_dtype
 from astrai.train.lm_loss import cross_entropy_sum, token_logprobs
 
@@ -75,7 +79,7 @@ class Strategy:
         """Once per drawn step, before any update (reference / old-policy log-probs)."""
 
     def loss(self, model, batch: dict, env: Env) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(task loss sum, aux loss or None, metric sums)."""
+        """(task loss sum, aux loss or None, metrics: a sum over units, or a (sum, count) pair)."""
         raise NotImplementedError
 
 
@@ -129,48 +133,9 @@ class DPOStrategy(Strategy):
         margin = chosen - rejected
         losses = -F.logsigmoid(margin)
         m = {"reward_chosen": float(chosen.detach().sum()), "reward_rejected": float(rejected.detach().sum()),
-             "reward_accuracy": float((margin > 0).float().sum()), "reward_margin": float(margin.detach().sum())}
+             "reward_accuracy": float((margin > 0).float().sum()), "reward_margin": float(margin.detach().sum()),
+             "logp_chosen": float(s[0::2].detach().sum()), "logp_rejected": float(s[1::2].detach().sum())}
         return losses.sum(), aux, m
-
-
-class GRPOStrategy(Strategy):
-    name = "grpo"
-
-    def __init__(self, ref_model: Optional[torch.nn.Module], clip_eps: float = 0.2, kl_coef: float = 0.01,
-                 updates: int = 2, adv_eps: float = 1e-4):
-        self.ref, self.clip_eps, self.kl_coef, self.updates, self.adv_eps = ref_model, clip_eps, kl_coef, updates, adv_eps
-
-    def collate(self, rows):
-        return collate_grpo(rows, self.adv_eps)
-
-    def _token_logps(self, model, batch, env):
-        hidden, aux = forward(model, batch, env)
-        return token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss,
-                              env.loss_chunk), aux
-
-    @torch.no_grad()
-    def prepare(self, model, batches, indices, env):
-        for b in batches:
-            b["old_logps"] = self._token_logps(model, b, env)[0]
-            if self.kl_coef and self.ref is not None:
-                b["ref_logps"] = self._token_logps(self.ref, b, env)[0]
-
-    def loss(self, model, batch, env):
-        logp, aux = self._token_logps(model, batch, env)
-        valid = batch["targets"] != IGNORE_INDEX
-        cu = batch["cu_seqlens"]
-        lens = (cu[1:] - cu[:-1]).to(logp.device)
-        adv = torch.repeat_interleave(batch["advantages"].to(device=logp.device, dtype=logp.dtype), lens)
-        ratio = torch.exp(logp - batch["old_logps"])
-        clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
-        per_token = -torch.minimum(ratio * adv, clipped * adv)
-        m = {"clip_fraction": float(((ratio - clipped).abs() > 0)[valid].float().sum())}
-        if self.kl_coef and "ref_logps" in batch:
-            d = batch["ref_logps"] - logp
-            kl = torch.exp(d) - d - 1
-            per_token = per_token + self.kl_coef * kl
-            m["kl"] = float(kl.detach()[valid].sum())
-        return per_token[valid].sum(), aux, m
 
 
 def make_strategy(name: str, ref_model=None, **opts) -> Strategy:
@@ -179,5 +144,7 @@ def make_strategy(name: str, ref_model=None, **opts) -> Strategy:
     if name == "dpo":
         return DPOStrategy(ref_model, opts.get("beta", 0.1))
     if name == "grpo":
+        from astrai.train.grpo import GRPOStrategy  # grpo.py builds on this module's Strategy
+
         return GRPOStrategy(ref_model, opts.get("clip_eps", 0.2), opts.get("kl_coef", 0.01), opts.get("updates", 2))
     raise ValueError(f"unknown strategy {name!r}: choose seq, sft, dpo or grpo")
