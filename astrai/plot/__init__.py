@@ -77,9 +77,13 @@ def write_plot(path, panels: dict, title: str = "") -> Path:
 def _matplotlib(Figure, path: Path, panels: dict, title: str):
     # a bare Figure, not pyplot: no backend or global state of the caller's process is touched
     names = list(panels) or ["loss"]
-    fig = Figure(figsize=(5.2 * len(names), 4.0))
-    axes = fig.subplots(1, len(names), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    cols = len(names) if len(names) <= 2 else 2
+    rows = -(-len(names) // cols)
+    fig = Figure(figsize=(5.6 * cols, 4.0 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes, names):
         for label, pts in panels.get(name, {}).items():
             steps, values = [p[0] for p in pts], [p[1] for p in pts]
             sparse = label.startswith("val") or len(pts) < 3

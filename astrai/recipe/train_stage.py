@@ -9,14 +9,14 @@ labels, dpo/grpo their own records), and eval_every has validation data to use.
 Killed or interrupted, the stage is rerun by `astrai run` in the same output directory, and
 run_train continues from its last checkpoint (resume: auto); the final loss equals an
 uninterrupted run's because checkpoints carry the optimizer, scheduler, RNG and sampler state.
-The validation figures (the loss, and for DPO/GRPO the held-out reward figures) are also measured
-before the first step, so the table can say how training moved them; the stage reports
+The validation figures (the loss, and for DPO/GRPO the held-out reward figures) are measured
+before the first step too (astrai.train.callbacks.Metrics), so the table can say how training
+moved them; the stage reports
 `loss_curve` (astrai.plot's panels) for the run directory's loss.png.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -92,10 +92,9 @@ def run_train_stage(ctx) -> dict:
     options = TrainOptions(**fields, data=str(train_dir), output=str(ctx.output),
                            val_data=str(val_dir) if val_dir else None)
     metrics_file = ctx.output / "metrics.jsonl"
-    callbacks = [_InitialValidation(metrics_file)] if val_dir else []
     ctx.log(f"training {options.model} ({options.strategy}) on {train_dir}" + (f", validating on {val_dir}"
                                                                                  if val_dir else ""))
-    result = run_train(options, callbacks=callbacks)
+    result = run_train(options)
     if result.get("stopped") is not None:
         # a signal stopped training after a checkpoint: not done; `astrai run` again resumes it
         raise KeyboardInterrupt(f"training stopped by signal {result['stopped']} at step {result['steps']}")
@@ -122,26 +121,3 @@ def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft") -> di
         out["val_loss_drop"] = f["val_loss_start"] - f["val_loss"]
     out["loss_curve"] = curves(records)
     return out
-
-
-class _InitialValidation:
-    """Validation loss before the first step (step 0), so the fall of the validation loss is measured."""
-
-    def __init__(self, metrics_file: Path):
-        self.metrics_file = metrics_file
-
-    def __getattr__(self, hook):  # every other trainer hook: nothing to do
-        if hook.startswith("on_"):
-            return lambda *args: None
-        raise AttributeError(hook)
-
-    def on_train_begin(self, trainer):
-        if trainer.state.global_step != 0:  # resumed: step 0 was measured by the first run
-            return
-        rec = {"step": 0, **trainer.evaluate()}  # every rank: evaluate sums across ranks
-        trainer.state.history.append(rec)
-        if not trainer.dist.is_main:
-            return
-        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics_file, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")

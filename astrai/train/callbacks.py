@@ -90,8 +90,9 @@ class Checkpoint(Callback):
 
 class Metrics(Callback):
     """One JSON line per `log_every` optimizer steps (loss, the strategy's figures, aux losses, lr,
-    grad norm, seconds), the validation figures (val_loss, val_<figure>) every `eval_every` steps;
-    rank 0 writes, all ranks compute. Every record also goes to the `sinks` (TensorBoard, W&B:
+    grad norm, seconds), the validation figures (val_loss, val_<figure>) before the first step
+    (step 0, so a run can say how training moved them) and every `eval_every` steps; rank 0 writes,
+    all ranks compute. Every record also goes to the `sinks` (TensorBoard, W&B:
     astrai.train.report)."""
 
     def __init__(self, path: Path, log_every: int, eval_every, sinks=()):
@@ -112,6 +113,8 @@ class Metrics(Callback):
             sink.close()
 
     def on_train_begin(self, trainer):
+        if trainer.val_dataset is not None and trainer.state.global_step == 0:  # resumed: measured by then
+            self._write(trainer, {"step": 0, **trainer.evaluate()})  # every rank: evaluate sums across ranks
         self._t = time.perf_counter()
 
     def on_batch_end(self, trainer):

@@ -121,7 +121,7 @@ def test_max_steps_and_log_every_are_exact_between_updates(tmp_path, log_every, 
     assert state.global_step == 3 and t.total_steps == 3
     train = [r["step"] for r in state.history if "loss" in r]
     val = [r["step"] for r in state.history if "val_loss" in r]
-    assert train == logged and val == [1, 2, 3]
+    assert train == logged and val == [0, 1, 2, 3]  # step 0: before training
     assert all(set(r) >= {"clip_low", "clip_high", "reward_mean", "policy_reward"} for r in state.history
                if "loss" in r)
     assert all("val_policy_reward" in r for r in state.history if "val_loss" in r)
