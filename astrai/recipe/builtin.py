@@ -59,9 +59,11 @@ def _eval_kind() -> StageKind:
 
     return StageKind(
         "eval", EvalStageOptions, run_eval_stage, produces="report",
-        refs={"model": ("model",), "data": ("data",)}, path_refs=frozenset({"model"}),
+        refs={"model": ("model",), "data": ("data",), "ref_model": ("model",)},
+        path_refs=frozenset({"model", "ref_model"}),
         code=("astrai.infer", "astrai.model", "astrai.recipe.eval_stage"), check=check_eval,
-        figures=("perplexity", "loss", "samples"))
+        figures=("perplexity", "loss", "reward_accuracy", "reward_margin", "policy_reward", "reward_mean",
+                 "policy_accuracy", "samples"))
 
 
 def train_kind():

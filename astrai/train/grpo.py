@@ -14,14 +14,10 @@ as TRL's clip_ratio/low_mean and high_mean. The clip acts from a batch's second 
 first, rho = 1).
 
 The loss alone says little: at the first update rho = 1 and it is -sum(A * tokens) plus the KL,
-often negative and flat. What shows learning, per step and on held-out groups:
-- reward_mean, reward_std: the batch's rewards (mean; the within-group std averaged over groups);
-  with completions given in the data these are the data's, and move only when sampling is online;
-- policy_reward: per group, the candidates' rewards weighted by the policy's probability of
-  generating each one (softmax over the group of the completions' summed log-probs): the reward
-  the policy would collect choosing among them; uniform choice gives the plain mean;
-- policy_accuracy: the share of groups (with unequal rewards) whose most probable completion has
-  the group's best reward.
+often negative and flat. What shows learning, per step and on held-out groups, is defined in
+astrai.model.scores: reward_mean and reward_std (the batch's rewards: with completions given in the
+data they are the data's, and move only when sampling is online), and policy_reward and
+policy_accuracy (how the policy would choose among each group's candidates).
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from astrai.model.scores import choice_figures, reward_figures
 from astrai.schema import IGNORE_INDEX
 from astrai.train.batches import collate_grpo
 from astrai.train.strategies import Env, Strategy, doc_sums, forward, unwrap
@@ -51,25 +48,6 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     d = ref_logp - logp
     return torch.exp(d) - d - 1
-
-
-def choice_figures(seq_logps: torch.Tensor, rewards: torch.Tensor, group_sizes: list[int]) -> dict:
-    """policy_reward and policy_accuracy as (sum, count) over groups (see the module docstring)."""
-    reward_sum = right = decided = 0.0
-    for lp, r in zip(seq_logps.detach().split(group_sizes), rewards.split(group_sizes)):
-        p = torch.softmax(lp.double(), dim=0)
-        reward_sum += float((p * r.double()).sum())
-        if float(r.max()) > float(r.min()):
-            decided += 1
-            right += float(r[int(lp.argmax())] == r.max())
-    groups = float(len(group_sizes))
-    return {"policy_reward": (reward_sum, groups), "policy_accuracy": (right, decided)}
-
-
-def reward_figures(rewards: torch.Tensor, group_sizes: list[int]) -> dict:
-    """reward_mean over completions, reward_std within groups averaged over groups, as (sum, count)."""
-    stds = [float(r.std()) if len(r) > 1 else 0.0 for r in rewards.split(group_sizes)]
-    return {"reward_mean": (float(rewards.sum()), float(len(rewards))), "reward_std": (sum(stds), float(len(stds)))}
 
 
 class GRPOStrategy(Strategy):

@@ -16,10 +16,8 @@ the seed divided each micro-batch's mean by the number of micro-steps instead).
 
 Metrics: each loss also returns figures for the logs. A plain number is a sum over the step's
 units (the trainer divides by them); a pair (sum, count) is a mean over its own count (groups,
-completions), summed over micro-batches and ranks before the division. DPO's are TRL's: with
-r = beta * (pi - ref), reward_chosen/reward_rejected the mean r of each side, reward_accuracy the
-share of pairs with r_chosen > r_rejected, reward_margin the mean r_chosen - r_rejected,
-logp_chosen/logp_rejected the policy's mean summed log-probs.
+completions), summed over micro-batches and ranks before the division. DPO's are TRL's rewards/*
+(astrai.model.scores: implicit rewards of each side, accuracy, margin, log-probs), per pair.
 
 MoE: the load-balancing loss of each forward is added as coef * aux * (micro units / step units),
 so it too sums to one weighted mean per step; task loss, aux and weighted aux are logged apart.
@@ -36,6 +34,7 @@ from astrai.config.train import LOSS_CHUNK
 from astrai.schema import IGNORE_INDEX
 from astrai.train.packed_attention import packed_context
 from astrai.train.batches import collate_dpo, collate_lm
+from astrai.model.scores import dpo_figures
 from astrai.model.transformer import acc_dtype
 from astrai.train.lm_loss import cross_entropy_sum, token_logprobs
 
@@ -128,14 +127,8 @@ class DPOStrategy(Strategy):
     def loss(self, model, batch, env):
         s, aux = self._seq_logps(model, batch, env)
         ref = batch["ref_logps"]
-        chosen = self.beta * (s[0::2] - ref[0::2])
-        rejected = self.beta * (s[1::2] - ref[1::2])
-        margin = chosen - rejected
-        losses = -F.logsigmoid(margin)
-        m = {"reward_chosen": float(chosen.detach().sum()), "reward_rejected": float(rejected.detach().sum()),
-             "reward_accuracy": float((margin > 0).float().sum()), "reward_margin": float(margin.detach().sum()),
-             "logp_chosen": float(s[0::2].detach().sum()), "logp_rejected": float(s[1::2].detach().sum())}
-        return losses.sum(), aux, m
+        losses = -F.logsigmoid(self.beta * ((s[0::2] - ref[0::2]) - (s[1::2] - ref[1::2])))
+        return losses.sum(), aux, dpo_figures(s[0::2], s[1::2], ref[0::2], ref[1::2], self.beta)
 
 
 def make_strategy(name: str, ref_model=None, **opts) -> Strategy:

@@ -17,7 +17,8 @@ import train_script as ts  # noqa: E402
 from test_strategies import LOG, policy, uniform  # noqa: E402
 
 from astrai.train import resume  # noqa: E402
-from astrai.train.grpo import GRPOStrategy, choice_figures, clipped_surrogate, k3  # noqa: E402
+from astrai.model.scores import choice_figures  # noqa: E402
+from astrai.train.grpo import GRPOStrategy, clipped_surrogate, k3  # noqa: E402
 from astrai.train.strategies import Env, make_strategy  # noqa: E402
 from astrai.train.trainer import Trainer, add_metrics, reduce_metrics  # noqa: E402
 from astrai.train.distributed import Dist  # noqa: E402
