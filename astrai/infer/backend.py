@@ -16,8 +16,9 @@ head h // (Hq / Hkv). `decode` is the q_len == 1 case with q of shape [B, Hq, D]
 `host` carries the same numbers as Python lists for backends that loop on the host, and `scratch`
 is where a backend keeps what it derives from the meta (once per step, not once per layer).
 
-Selection: `select_backend(device, dtype)` returns the first of BACKENDS (in priority order) that
-can serve, unless one is forced: `with attn_backend("torch"): ...` (a contextvar, so per thread /
+Selection: `select_backend(device, dtype, heads)` returns the first of BACKENDS (in priority order)
+that can serve the device, the dtype and the model's heads (`serves`: e.g. the CUDA kernels' shared
+memory bounds GQA group x head_dim), unless one is forced: `with attn_backend("torch"): ...` (a contextvar, so per thread /
 task) or else the ASTRAI_ATTN_BACKEND environment variable. A forced backend that cannot serve
 raises BackendUnavailable with its reason; it never falls back silently.
 """
@@ -89,6 +90,11 @@ class AttentionBackend(ABC):
         """(True, "") or (False, why not) for this device and dtype."""
         return True, ""
 
+    @classmethod
+    def serves(cls, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[bool, str]:
+        """(True, "") or (False, why not) for a model's attention heads (query, KV, head_dim)."""
+        return True, ""
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
         """RoPE on q [T, Hq, D] and k [T, Hkv, D]; `rope` is the model's Rotary (its float32 cos/sin tables)."""
         from astrai.model.rope import apply_rotary
@@ -126,7 +132,16 @@ def _load(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
-def select_backend(device, dtype: torch.dtype) -> type[AttentionBackend]:
+def _can_serve(cls, device, dtype, heads) -> tuple[bool, str]:
+    ok, why = cls.supports(device, dtype)
+    if ok and heads is not None:
+        ok, why = cls.serves(*heads)
+    return ok, why
+
+
+def select_backend(device, dtype: torch.dtype, heads: Optional[tuple[int, int, int]] = None) -> type[AttentionBackend]:
+    """`heads`: the model's (query heads, KV heads, head_dim), when known: a backend whose kernels
+    cannot serve them is skipped (or, forced, refused) here, before any request."""
     device = torch.device(device)
     forced, origin = _forced.get(), "attn_backend()"
     if forced is None and os.environ.get(ENV_VAR):
@@ -138,7 +153,7 @@ def select_backend(device, dtype: torch.dtype) -> type[AttentionBackend]:
             cls = _load(forced)
         except ImportError as e:
             raise BackendUnavailable(f"{origin} forces attention backend {forced!r}, which cannot load: {e}") from e
-        ok, why = cls.supports(device, dtype)
+        ok, why = _can_serve(cls, device, dtype, heads)
         if not ok:
             raise BackendUnavailable(f"{origin} forces attention backend {forced!r}, which cannot serve "
                                      f"{device} / {dtype}: {why}")
@@ -148,6 +163,6 @@ def select_backend(device, dtype: torch.dtype) -> type[AttentionBackend]:
             cls = _load(name)
         except ImportError:
             continue  # an optional backend whose dependency is absent
-        if cls.supports(device, dtype)[0]:
+        if _can_serve(cls, device, dtype, heads)[0]:
             return cls
     raise BackendUnavailable(f"no attention backend serves {device} / {dtype}")

@@ -2,9 +2,10 @@
 
 Fused in-place RoPE, a scatter KV write, ragged paged prefill and split-KV paged decode, all on the
 engine's paged cache and AttentionMeta directly (no gather of K/V into a dense copy). Chosen
-automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there; a
-head_dim the kernels do not serve (not a multiple of 8, or above 256) raises BackendUnavailable
-when the backend is built, with the way out.
+automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there and the
+kernels serve the model's heads (`serves`: head_dim a multiple of 8 up to 256, and a GQA group x
+head_dim whose attention block fits the kernels' shared memory); otherwise the engine takes the
+torch backend before any request, and forcing cuda raises BackendUnavailable with the reason.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from astrai.infer.backend import ENV_VAR, AttentionBackend, AttentionMeta, BackendUnavailable
 from astrai.kernels.kernel_attention import KernelAttention
-from astrai.kernels.launch import ATTN_DTYPES
+from astrai.kernels.launch import ATTN_DTYPES, attention_shape_problem
 
 
 class CudaBackend(AttentionBackend):
@@ -44,6 +45,11 @@ class CudaBackend(AttentionBackend):
         if not torch.cuda.is_available():
             return False, "torch sees no CUDA device"
         return True, ""
+
+    @classmethod
+    def serves(cls, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[bool, str]:
+        problem = attention_shape_problem(num_heads, num_kv_heads, head_dim)
+        return problem is None, problem or ""
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
         return self.ops.rotary(q, k, positions, rope)
