@@ -17,7 +17,6 @@ import train_script as ts  # noqa: E402
 from test_strategies import LOG, policy, uniform  # noqa: E402
 
 from astrai.train import resume  # noqa: E402
-from astrai.model.scores import choice_figures  # noqa: E402
 from astrai.train.grpo import GRPOStrategy, clipped_surrogate, k3  # noqa: E402
 from astrai.train.strategies import Env, make_strategy  # noqa: E402
 from astrai.train.trainer import Trainer, add_metrics, reduce_metrics  # noqa: E402
@@ -70,14 +69,6 @@ def test_grpo_loss_and_figures_by_hand():
     assert m["reward_mean"] == (2.0, 4.0) and m["reward_std"][0] == pytest.approx(math.sqrt(1 / 3))
     assert m["policy_reward"][0] == pytest.approx(0.5 + 0.1) and m["policy_reward"][1] == 1.0
     assert m["policy_accuracy"] == (1.0, 1.0)  # the most probable completion (5/8) has the best reward
-
-
-def test_choice_figures_skip_undecided_groups():
-    lp = torch.log(torch.tensor([0.2, 0.8, 0.5, 0.5, 0.9, 0.1]))
-    r = torch.tensor([1.0, 0.0, 0.3, 0.3, 0.0, 1.0])
-    f = choice_figures(lp, r, [2, 2, 2])
-    assert f["policy_reward"][0] == pytest.approx(0.2 + 0.3 + 0.1) and f["policy_reward"][1] == 3.0
-    assert f["policy_accuracy"] == (0.0, 2.0)  # group 2 has equal rewards: no best answer to pick
 
 
 def test_grpo_prepare_records_the_old_policy():
