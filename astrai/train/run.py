@@ -98,7 +98,8 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
         return {"output": str(out), "final": str(final) if state.stopped is None else None,
                 "steps": state.global_step, "loss": f.get("loss"), "val_loss": f.get("val_loss"),
                 "stopped": state.stopped, "seconds": time.perf_counter() - began, "figures": f, "plot": plot,
-                "val_data": options.val_data,
+                "val_data": options.val_data, "strategy": options.strategy,
+                "ref_model": options.ref_model or (options.model if options.model not in PRESETS else None),
                 "tensorboard": str(out / "runs") if "tensorboard" in options.reporters else None}
     finally:
         teardown(dist)

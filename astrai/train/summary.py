@@ -69,5 +69,8 @@ def lines(result: dict) -> list[str]:
         out.append(f"  tensorboard --logdir {result['tensorboard']}")
     out.append(f"next: astrai generate {result['final']} --prompt 'Hello' --max-tokens 32   (or --chat FILE.jsonl)")
     if result.get("val_data"):
-        out.append(f"      astrai eval {result['final']} --data {result['val_data']}")
+        ref = ""
+        if result.get("strategy") == "dpo":  # the reward figures compare with the model DPO started from
+            ref = f" --ref-model {result['ref_model']}" if result.get("ref_model") else " --ref-model REFERENCE"
+        out.append(f"      astrai eval {result['final']} --data {result['val_data']}{ref}")
     return out
