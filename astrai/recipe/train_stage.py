@@ -57,7 +57,8 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
         problems.append(("data", f"strategy {options.strategy} cannot train on '{options.data}', which makes "
                                  f"{kind} data; {fix}"))
     val = upstream.get("val_data") or data
-    if options.eval_every is not None and not val.get("held_out"):
+    # `held_out` absent: the data stage has a problem of its own and is not described; say nothing
+    if options.eval_every is not None and val.get("held_out") is False:
         problems.append(("eval_every", f"validation needs held-out data: set holdout (e.g. 0.1) in stage "
                                        f"'{options.val_data or options.data}', or remove eval_every"))
     base = (upstream.get("model") or {}).get("tokenizer")
