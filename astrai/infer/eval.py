@@ -31,7 +31,7 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     out = out or sys.stdout
     if options.checkpoint is None or options.data is None:
         raise ValueError("eval needs a checkpoint and --data (a preprocessed held-out directory)")
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     dataset = ShardDataset(options.data)
     if dataset.multi:
         raise ValueError(f"{options.data}: a multi-output (DPO/GRPO) dataset; perplexity needs input_ids/labels rows")
@@ -81,14 +81,20 @@ def run_stage(options: EvalOptions, ctx) -> str:
     """A recipe's `eval:` block: paths relative to the recipe; checkpoint and data default to what the
     train and preprocess stages of the same run wrote. Returns the eval.json path."""
     checkpoint = ctx.path(options.checkpoint) if options.checkpoint else _trained_checkpoint(ctx)
+    if options.base:
+        options = options.model_copy(update={"base": ctx.path(options.base)})
     data = ctx.path(options.data) if options.data else ctx.outputs.get("preprocess")
     output = ctx.path(options.output) if options.output else str(Path(checkpoint or ".") / "eval.json")
     run_eval(options.model_copy(update={"checkpoint": checkpoint, "data": data, "output": output}))
     return output
 
 
+def _is_checkpoint(path: Path) -> bool:
+    return (path / "config.json").exists() or (path / "adapter_config.json").exists()
+
+
 def _trained_checkpoint(ctx) -> Optional[str]:
     out = ctx.outputs.get("train")
-    if out is not None and (Path(out) / "final" / "config.json").exists():
-        return str(Path(out) / "final")  # a run directory: its final checkpoint
+    if out is not None and _is_checkpoint(Path(out) / "final"):
+        return str(Path(out) / "final")  # a run directory: its final checkpoint (or LoRA adapter)
     return out
