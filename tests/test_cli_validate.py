@@ -37,7 +37,7 @@ def test_missing_inputs_tokenizer_and_template_are_problems(tmp_path, tiny_token
     assert "'<|foo|>' is not a single token" in capsys.readouterr().out
     r = tmp_path / "r.yaml"
     write_pipeline(tmp_path, tiny_tokenizer)
-    r.write_text("version: 1\npreprocess: {pipeline: pipe.yaml, inputs: [gone.jsonl], output: o}\n")
+    r.write_text("version: 1\nstages:\n  preprocess: {pipeline: pipe.yaml, inputs: [gone.jsonl]}\n")
     assert main(["validate", str(r)]) == 1
     assert "gone.jsonl" in capsys.readouterr().out
 

@@ -1,8 +1,8 @@
-"""Options of the generation side (astrai.infer): sampling, engine, and the generate and eval stages.
+"""Options of the generation side (astrai.infer): sampling, engine, and the generate and eval verbs.
 
-Declared here, in the config layer, like every stage's options (astrai.config.stages): a recipe
-with `eval:` or `generate:` is validated without importing torch or the engine, and the CLI flags
-of `astrai generate` / `astrai eval` are read off these same models (astrai.infer.flags).
+Declared here, in the config layer: a recipe's eval stage (astrai.recipe.eval_stage, which extends
+EvalOptions) is validated without importing torch or the engine, and the CLI flags of `astrai
+generate` / `astrai eval` are read off these same models (astrai.infer.flags).
 """
 
 from __future__ import annotations

@@ -121,11 +121,3 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad options, input lines, a request that cannot fit
         print(f"error: {e}", file=sys.stderr)
         return 1
-
-
-def run_stage(options: GenerateOptions, ctx) -> Optional[str]:
-    """A recipe's `generate:` block: the same options, paths relative to the recipe."""
-    update = {k: ctx.path(getattr(options, k)) for k in ("checkpoint", "base", "chat", "input", "output")
-              if getattr(options, k) is not None}
-    generate_main(options.model_copy(update=update), out=sys.stdout, err=sys.stderr)
-    return update.get("output")
