@@ -30,7 +30,7 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     out = out or sys.stdout
     if options.checkpoint is None or options.data is None:
         raise ValueError("eval needs a checkpoint and --data (a preprocessed held-out directory)")
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     dataset = ShardDataset(options.data)
     if dataset.multi:
         raise ValueError(f"{options.data}: a multi-output (DPO/GRPO) dataset; perplexity needs input_ids/labels rows")

@@ -78,7 +78,7 @@ def generate_main(options: GenerateOptions, out=None, err=None) -> int:
         items = read_jsonl_prompts(options.chat or options.input, chat_only=options.chat is not None)
     params = [options.sampling.model_copy(update=over) if over else options.sampling for _, over in items]
     params = [SamplingParams.model_validate(p.model_dump()) for p in params]  # overrides validated too
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     prompts = [p for p, _ in items]
     if len(prompts) == 1 and options.output is None:
         done = None
