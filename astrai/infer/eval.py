@@ -1,4 +1,4 @@
-"""The eval stage (`astrai eval CHECKPOINT --data DIR`, and a recipe's eval stage) -> eval.json.
+"""Evaluation (`astrai eval CHECKPOINT --data DIR`, and a recipe's eval stage) -> eval.json.
 
 On single-output data, perplexity (token-weighted, trained tokens only) of a held-out preprocessed
 directory read back through astrai.data.load.ShardDataset, packed rows evaluated with document
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 from astrai.config.infer import EvalOptions
 
@@ -40,7 +39,7 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     if kind == "dpo" and options.ref_model is None:
         raise ValueError(f"{options.data} holds DPO pairs: their reward figures need the reference model (the "
                          f"checkpoint DPO started from): give --ref-model DIR (in a recipe: ref_model: STAGE)")
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     result = {"checkpoint": str(options.checkpoint), "data": str(options.data), "data_kind": kind}
     if kind == "single":
         result.update(perplexity(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device))
@@ -80,9 +79,11 @@ def preference_figures(engine, dataset, kind: str, options: EvalOptions) -> dict
 
     if kind == "groups":
         return groups_eval(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device)
-    from astrai.model.hf_checkpoint import load_model
+    from astrai.model.adapter_files import load_checkpoint
 
-    ref = load_model(options.ref_model).to(device=engine.device, dtype=next(engine.model.parameters()).dtype)
+    # a checkpoint, or a LoRA adapter on its base (the reference of a LoRA DPO run is the base itself)
+    ref = load_checkpoint(Path(options.ref_model), None).to(device=engine.device,
+                                                            dtype=next(engine.model.parameters()).dtype)
     return dpo_eval(engine.model, ref.eval(), dataset, options.beta, options.max_rows, options.batch_tokens,
                     engine.device)
 
@@ -115,20 +116,3 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-def run_stage(options: EvalOptions, ctx) -> str:
-    """A recipe's `eval:` block: paths relative to the recipe; checkpoint and data default to what the
-    train and preprocess stages of the same run wrote. Returns the eval.json path."""
-    checkpoint = ctx.path(options.checkpoint) if options.checkpoint else _trained_checkpoint(ctx)
-    data = ctx.path(options.data) if options.data else ctx.outputs.get("preprocess")
-    output = ctx.path(options.output) if options.output else str(Path(checkpoint or ".") / "eval.json")
-    run_eval(options.model_copy(update={"checkpoint": checkpoint, "data": data, "output": output}))
-    return output
-
-
-def _trained_checkpoint(ctx) -> Optional[str]:
-    out = ctx.outputs.get("train")
-    if out is not None and (Path(out) / "final" / "config.json").exists():
-        return str(Path(out) / "final")  # a run directory: its final checkpoint
-    return out

@@ -1,36 +1,24 @@
 """The decoder shared by train and infer: config, RoPE, attention protocol, model, checkpoints.
 
 Imports only torch, safetensors and json. See each module's docstring for its guarantees.
-
-Every torch path of astrai (train, infer) imports this package first, so the torch floor is
-checked here, once, with a message instead of an AttributeError deep in a step: torch >= 2.6
-(TORCH_FLOOR; pyproject.toml states the same, a test keeps them equal), for
-scaled_dot_product_attention(enable_gqa=...) (2.5) and the public FSDP2 `fully_shard` (2.6).
+Names are loaded from their module on first use (PEP 562): `astrai.model.config` (the presets a
+recipe is checked against) imports without torch, so checking or skipping a recipe never loads it.
 """
 
-import re
+import importlib
 
-import torch
+_HOME = {
+    **dict.fromkeys(("AttentionContext", "CausalContext", "causal_sdpa"), "attention"),
+    **dict.fromkeys(("load_model", "read_config", "save_model"), "hf_checkpoint"),
+    **dict.fromkeys(("PRESETS", "ModelConfig"), "config"),
+    **dict.fromkeys(("Rotary", "apply_rotary", "inv_freq"), "rope"),
+    **dict.fromkeys(("CausalLM", "load_balancing_loss"), "transformer"),
+}
 
-TORCH_FLOOR = (2, 6)
-
-
-def check_torch_version(version: str = torch.__version__) -> None:
-    found = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", version).groups())
-    if found < TORCH_FLOOR:
-        floor = ".".join(map(str, TORCH_FLOOR))
-        raise ImportError(f"astrai needs torch >= {floor} (scaled_dot_product_attention's enable_gqa, 2.5; "
-                          f"torch.distributed.fsdp.fully_shard, 2.6), found {version}: pip install 'torch>={floor}'")
+__all__ = sorted(_HOME)
 
 
-check_torch_version()
-
-# after the version check, so an old torch gets the message rather than an error from these imports
-from astrai.model.attention import AttentionContext, CausalContext, causal_sdpa  # noqa: E402
-from astrai.model.hf_checkpoint import load_model, read_config, save_model  # noqa: E402
-from astrai.model.config import PRESETS, ModelConfig  # noqa: E402
-from astrai.model.rope import Rotary, apply_rotary, inv_freq  # noqa: E402
-from astrai.model.transformer import CausalLM, load_balancing_loss  # noqa: E402
-
-__all__ = ["AttentionContext", "CausalContext", "CausalLM", "ModelConfig", "PRESETS", "Rotary", "apply_rotary",
-           "causal_sdpa", "inv_freq", "load_balancing_loss", "load_model", "read_config", "save_model"]
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'astrai.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"astrai.model.{_HOME[name]}"), name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from astrai.model import torch_floor  # noqa: F401  (refuses an older torch, with the fix)
 from astrai.model.rope import Rotary, apply_rotary
 
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from astrai.model import torch_floor  # noqa: F401  (refuses an older torch, with the fix)
 from astrai.model.attention import AttentionContext
 from astrai.model.config import ModelConfig
 from astrai.model.rope import Rotary

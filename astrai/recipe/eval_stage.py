@@ -1,13 +1,14 @@
 """The eval stage inside a recipe: held-out figures and sample generations, via run_eval.
 
 Options are astrai.infer's EvalOptions, except that the recipe decides the paths: `model` names a
-train stage (its final checkpoint; a checkpoint directory may be given instead), `data` names a
-preprocess stage and `split` picks its val/ (default) or train/ split; `ref_model` (DPO pairs)
-names the stage DPO started from; eval.json goes to RUN/<stage>/output/. The figures follow the
-data: perplexity on single-output rows, the held-out reward accuracy and margin on DPO pairs, the
-policy-weighted reward on scored groups (astrai.infer.preference). Checked before any work: the
-split exists (the data stage holds records out), DPO pairs have a reference model, and the model
-was trained on data made with the same tokenizer as the data evaluated.
+train stage (its final checkpoint, or its LoRA adapter merged into the base it names; a checkpoint
+directory may be given instead), `data` names a preprocess stage and `split` picks its val/
+(default) or train/ split; `ref_model` (DPO pairs) names the stage DPO started from; eval.json goes
+to RUN/<stage>/output/. The figures follow the data: perplexity on single-output rows, the held-out
+reward accuracy and margin on DPO pairs, the policy-weighted reward on scored groups
+(astrai.infer.preference). Checked before any work: the split exists (the data stage holds records
+out), DPO pairs have a reference model, and the model was trained on data made with the same
+tokenizer as the data evaluated.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def check_eval(options: EvalStageOptions, base_dir: Path, upstream: dict) -> lis
     problems = []
     data = upstream.get("data") or {}
     model = upstream.get("model") or {}
-    if options.split == "val" and not data.get("held_out"):
+    if options.split == "val" and data.get("held_out") is False:  # absent: that stage has its own problem
         problems.append(("data", f"'{options.data}' holds no records out: set holdout (e.g. 0.1) in that stage, "
                                  f"or split: train to evaluate on training data"))
     if data.get("data_kind") == "dpo" and options.ref_model is None:
@@ -56,13 +57,19 @@ def check_eval(options: EvalStageOptions, base_dir: Path, upstream: dict) -> lis
     return problems
 
 
+def _final(output: Path) -> Path:
+    """A train stage's final checkpoint (a full one, or a LoRA adapter), or the path as given."""
+    final = output / "final"
+    return final if (final / "config.json").exists() or (final / "adapter_config.json").exists() else output
+
+
 def run_eval_stage(ctx) -> dict:
     from astrai.infer.eval import run_eval
     from astrai.recipe.preprocess_stage import TRAIN, data_dirs
 
     opts: EvalStageOptions = ctx.options
     model = Path(ctx.inputs["model"])
-    checkpoint = model / "final" if (model / "final" / "config.json").exists() else model
+    checkpoint = _final(model)
     train_dir, val_dir = data_dirs(ctx.inputs["data"])
     data = train_dir if opts.split == TRAIN else val_dir
     if data is None:
@@ -71,8 +78,7 @@ def run_eval_stage(ctx) -> dict:
                                                                       "output", "ref_model")}
     ref = None
     if "ref_model" in ctx.inputs:
-        ref = Path(ctx.inputs["ref_model"])
-        ref = ref / "final" if (ref / "final" / "config.json").exists() else ref
+        ref = _final(Path(ctx.inputs["ref_model"]))
     options = EvalOptions(**fields, checkpoint=str(checkpoint), data=str(data), ref_model=str(ref) if ref else None,
                           output=str(ctx.output / "eval.json"))
 

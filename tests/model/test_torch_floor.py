@@ -1,4 +1,4 @@
-"""The torch floor: pyproject.toml and astrai.model.TORCH_FLOOR agree, the floor covers every
+"""The torch floor: pyproject.toml and astrai.model.torch_floor.TORCH_FLOOR agree, the floor covers every
 version-bound feature the code uses (each with the release that made it public), and an older
 torch is refused at import with the pip line."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from astrai.model import TORCH_FLOOR, check_torch_version
+from astrai.model.torch_floor import TORCH_FLOOR, check_torch_version
 
 ROOT = Path(__file__).resolve().parents[2]
 # what the code uses that older torch lacks: (the release that made it public, a file that uses it)
