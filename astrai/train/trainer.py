@@ -178,10 +178,11 @@ class Trainer:
                 signal.signal(s, h)
         return self.state
 
-    def _batches(self, window: list[list[int]]) -> list[dict]:
+    def _batches(self, window: list[list[int]], dataset=None) -> list[dict]:
+        dataset = self.dataset if dataset is None else dataset
         out = []
         for idx in window:
-            b = self.strategy.collate([self.dataset[i] for i in idx])
+            b = self.strategy.collate([dataset[i] for i in idx])
             out.append({k: v.to(self.dist.device) if torch.is_tensor(v) else v for k, v in b.items()})
         return out
 
@@ -263,7 +264,7 @@ class Trainer:
         sums, counts, units = {"loss": 0.0}, {}, 0.0
         for s in range(0, n_batches * bs, bs):
             idx = mine[s:s + bs]
-            (b,) = self._batches([idx or [0]])
+            (b,) = self._batches([idx or [0]], self.val_dataset)
             self.strategy.prepare(self.raw_model, [b], [[-1 - i for i in idx or [0]]], self.env)
             task, _, metrics = self.strategy.loss(self.raw_model, b, self.env)
             if idx:
