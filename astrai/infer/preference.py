@@ -94,7 +94,7 @@ def preference_prompts(dataset, n: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, reference answer ids) for the first n rows: DPO's chosen answer, or a group's
     best-rewarded candidate."""
     out = []
-    for r in _rows(dataset, n):
+    for r in (dataset[i] for i in range(min(len(dataset), n))):
         if "chosen_input_ids" in r:
             ids, labels = list(r["chosen_input_ids"]), list(r["chosen_labels"])
             first = next((i for i, x in enumerate(labels) if x != IGNORE_INDEX), len(ids))

@@ -101,6 +101,7 @@ def test_group_figures_by_hand(prefs):
     assert f["groups"] == 5 and f["policy_reward"] == pytest.approx(reward_sum / 5)
     assert f["policy_accuracy"] == pytest.approx(right / decided)
     assert f["reward_mean"] == pytest.approx(sum(sum(ds[i]["rewards"]) for i in range(5)) / 15, rel=1e-6)
+    assert preference_prompts(ds, 0) == [] and len(preference_prompts(ds, 9)) == 5
     prompts = preference_prompts(ds, 2)
     assert prompts[0][0] == list(ds[0]["prompt_input_ids"]) and prompts[0][1] == list(ds[0]["completion_labels"][0])
 
