@@ -116,7 +116,8 @@ class TrainOptions(StrictModel):
 
     save_every: int = Field(100, ge=1, description="checkpoint every N optimizer steps (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
-    eval_every: Optional[int] = Field(None, ge=1, description="validation loss every N steps (needs val_data)")
+    eval_every: Optional[int] = Field(None, ge=1, description="validation figures every N steps (loss; DPO/GRPO held-out "
+                                       "rewards; also before the first step) (needs val_data)")
     log_every: int = Field(1, ge=1, description="metrics.jsonl line every N optimizer steps")
     progress: bool = Field(True, description="tqdm progress bar on rank 0")
     report_to: Union[Literal["none", "tensorboard", "wandb"], list[Literal["tensorboard", "wandb"]]] = Field(
