@@ -168,11 +168,13 @@ def test_astrai_train_ends_with_a_summary(datasets, tmp_path, capsys):
     out = capsys.readouterr().out
     run = tmp_path / "run"
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    first, last = recs[0]["loss"], [r for r in recs if "loss" in r][-1]["loss"]
+    losses = [r["loss"] for r in recs if "loss" in r]
+    first, last = losses[0], losses[-1]
+    assert recs[0]["step"] == 0 and recs[0]["val_reward_accuracy"] == 0.0  # before the first step: policy = reference
     lines = out.splitlines()
     assert lines[0].startswith("trained 3 steps in ") and lines[0].endswith(f"loss {first:.4g} -> {last:.4g}")
     val = [r for r in recs if "val_reward_accuracy" in r]
-    assert f"held-out reward accuracy {val[0]['val_reward_accuracy']:.4g}" in out
+    assert f"held-out reward accuracy 0 -> {val[-1]['val_reward_accuracy']:.4g}" in out
     assert f"final model: {run / 'final'}" in out and f"curves: {run / 'loss.png'}" in out
     assert (run / "loss.png").stat().st_size > 1000
     assert f"next: astrai generate {run / 'final'}" in out and "{" not in out  # no bare dict
