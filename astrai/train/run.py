@@ -72,7 +72,7 @@ def locked_output(out: Path, dist):
     ranks at once instead of leaving the others waiting."""
     from astrai.runtime import OutputBusy, output_lock
 
-    lock, problem = None, ""
+    lock, problem, existed = None, "", out.exists()
     if dist.is_main:
         try:
             lock = output_lock(out).__enter__()
@@ -84,6 +84,10 @@ def locked_output(out: Path, dist):
         raise InputError(problem or f"output {out}: rank 0 could not lock it (see its error)")
     try:
         yield
+    except BaseException:
+        if lock is not None and not existed and not any(out.iterdir()):
+            out.rmdir()  # refused before any work (a bad combination, a changed tokenizer): leave no trace
+        raise
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)
