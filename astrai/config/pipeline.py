@@ -120,8 +120,9 @@ class Pipeline(StrictModel):
     )
     input: InputConfig
     mask: dict[str, TrainOrMask] = Field(default_factory=lambda: dict(DEFAULT_MASK), description="role -> train|mask")
-    mask_default: TrainOrMask = Field(
-        "mask", description="rule for roles not in mask; set it explicitly to accept such roles (else unknown_role)"
+    mask_default: Optional[TrainOrMask] = Field(
+        None, description="rule for roles not in mask; unset, such a role (a typo: 'asistant') rejects its record "
+                          "as unknown_role"
     )
     preprocessing: Preprocessing = Field(default_factory=Preprocessing)
     output: Output = Field(default_factory=Output)

@@ -101,8 +101,8 @@ class Processor:
             prompt_probe(self.template, self.special, self.kwargs) if self.template else ("", "", ""))
         self.end_of_turn_id = end_of_turn_id(self.tok, after_answer)
         # Roles outside `mask` are bad input (a typo such as 'asistant' must not train silently), unless
-        # the pipeline sets mask_default explicitly: then that rule covers every other role.
-        self.any_role = "mask_default" in pipeline.model_fields_set
+        # the pipeline sets mask_default: then that rule covers every other role.
+        self.any_role = pipeline.mask_default is not None
         self.roles_allowed = set(pipeline.mask)
         if pipeline.input.sections is not None:
             self.sources = {"": (pipeline.input.sections, None)}

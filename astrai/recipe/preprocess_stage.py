@@ -20,10 +20,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from astrai.config.loading import get_in, raise_combination_problems
 from astrai.errors import InputError, RecordError
 
 TRAIN, VAL, SPLIT = "train", "val", "split"
@@ -41,6 +42,22 @@ class PreprocessOptions(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="pipeline overrides, as --set key=value")
     holdout: float = Field(0.0, ge=0.0, lt=1.0, description="share of records held out as val/ (by position)")
     workers: Optional[int] = Field(None, gt=0, description="parallel workers; default: number of cores")
+    executor: Literal["local", "ray"] = Field(
+        "local", description="local (process pool) | ray (a task per partition and per shard on a Ray cluster; "
+                             "needs astrai[ray] and shared storage, docs/ray.md)")
+    ray_address: Optional[str] = Field(
+        None, description="Ray cluster address HOST:PORT (executor: ray); default: RAY_ADDRESS, else a private "
+                          "local Ray")
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        return raise_combination_problems(self)
+
+    @classmethod
+    def combination_problems(cls, data) -> list[tuple[tuple, str]]:
+        if get_in(data, "ray_address") is not None and get_in(data, "executor", default="local") != "ray":
+            return [(("ray_address",), "ray_address is only used with executor: ray (set it, or remove ray_address)")]
+        return []
 
 
 def data_dirs(output: Path) -> tuple[Path, Optional[Path]]:
@@ -131,7 +148,7 @@ def run_preprocess_stage(ctx) -> dict:
     metrics = {}
     for side, files in sides.items():
         stats = run_preprocess(pipeline, files, str(ctx.output / side), tokenizer=tokenizer, workers=opts.workers,
-                               base_dir=pipe_dir, log=ctx.log)
+                               base_dir=pipe_dir, log=ctx.log, executor=opts.executor, ray_address=opts.ray_address)
         prefix = "" if side == TRAIN else "val_"
         for key in ("records_read", "records_kept", "records_filtered", "records_rejected", "rows", "tokens",
                     "trained_tokens"):

@@ -1,7 +1,9 @@
 """Trainer checkpoints: everything an exact resume needs, written atomically, read without pickle.
 
 A checkpoint is a directory `checkpoints/step-00000040/` holding
-  config.json + model.safetensors  (a Hugging Face model: transformers loads it as is)
+  config.json + model.safetensors  (a Hugging Face model: transformers loads it as is), or with LoRA
+                                   only the adapters (adapter_config.json + adapter_model.safetensors,
+                                   PEFT's format; the frozen base is the run's `model`, not copied)
   tokenizer files of the data      (so `astrai generate` needs nothing else)
   optimizer.safetensors/.json, scheduler.json, rng-rank<R>.safetensors/.json
                                    (astrai.train.state_files: tensors in safetensors, the rest in
@@ -33,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from astrai.model.hf_checkpoint import read_tensors, save_model
+from astrai.model.adapter_files import read_weights, save_weights
 from astrai.train.distributed import Dist, barrier, load_full_state, parameter_names
 from astrai.train.state_files import (CheckpointError, pickle_files, read_optimizer, read_rng, read_scheduler,
                                       rng_files, write_optimizer, write_rng, write_scheduler)
@@ -87,7 +89,7 @@ def save(root: Path, step: int, model, optimizer_state: dict, scheduler, state: 
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
     if d.is_main:
-        save_model(model, tmp, model_sd)
+        save_weights(model, tmp, model_sd)  # the model, or only its LoRA adapters
         if write_tokenizer is not None:
             write_tokenizer(tmp)
         write_optimizer(tmp, optimizer_state)
@@ -192,14 +194,13 @@ def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None) -
     refuse_pickles(path)
     saved = read_state(path)
     try:
-        sd = read_tensors(path)
+        sd, complete = read_weights(path, model)  # the whole model, or a LoRA run's adapters
     except Exception as e:  # a truncated or foreign model file: one line, whatever safetensors raised
-        raise CheckpointError(f"{path}: cannot read the model weights ({e})") from None
-    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        raise CheckpointError(f"{path}: cannot read the weights ({e})") from None
     current = model.state_dict()
-    if set(sd) != set(current) or any(tuple(sd[k].shape) != tuple(current[k].shape) for k in sd):
-        odd = sorted(set(sd) ^ set(current)) or [k for k in sd if tuple(sd[k].shape) != tuple(current[k].shape)]
+    odd = sorted((set(sd) ^ set(current)) if complete else (set(sd) - set(current)))
+    odd = odd or [k for k in sd if tuple(sd[k].shape) != tuple(current[k].shape)]
+    if odd:
         raise CheckpointError(f"{path}: its weights do not fit this model ({odd[0]}"
                               f"{' and more' if len(odd) > 1 else ''}); resume needs the same model shape")
     if not all(bool(torch.isfinite(t).all()) for t in sd.values() if t.is_floating_point()):
@@ -208,7 +209,7 @@ def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None) -
     live = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     shapes = {n: p.shape for n, p in model.named_parameters()}
     optim_sd = read_optimizer(path, live, shapes)
-    load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()}, optim_sd)
+    load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()}, optim_sd, strict=complete)
     read_scheduler(path, scheduler)
     if all((path / n).exists() for n in rng_files(d.rank)):
         read_rng(path, d.rank)

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from astrai.errors import InputError
+from astrai.model.lora import cast, has_adapters
 from astrai.train import resume
 from astrai.train.batches import RankSampler
 from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
@@ -83,7 +84,7 @@ class Trainer:
         o = self.opts = options
         self.dist = dist or Dist()
         self.out = Path(out_dir or o.output)
-        self.raw_model = model.to(device=self.dist.device, dtype=_DTYPES[o.dtype])
+        self.raw_model = cast(model, self.dist.device, _DTYPES[o.dtype])  # LoRA adapters stay float32
         if o.compile:
             for layer in self.raw_model.model.layers:
                 layer.compile()
@@ -127,7 +128,8 @@ class Trainer:
         generators, weights are checked finite on all ranks); no rank returns before the checkpoint
         is on disk."""
         st = self.state
-        model_sd = full_model_state(self.raw_model) if self.sharded else None
+        model_sd = full_model_state(self.raw_model, trainable_only=has_adapters(self.raw_model)) if self.sharded \
+            else None
         optim_sd = named_optimizer_state(self.raw_model, self.optimizer) if self.sharded or self.dist.is_main else None
         self.check_finite_weights(f"the checkpoint of step {st.global_step}")
         st.saved_step = st.global_step

@@ -43,7 +43,8 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
                    log: Callable[[str], None] = print, executor: str = "local",
                    ray_address: Optional[str] = None) -> dict:
     """executor "local": a process pool of `workers`; "ray": the same tasks on the Ray cluster at
-    `ray_address` (astrai.runtime_ray), byte-identical output. Options: astrai.config.stages.PreprocessOptions.
+    `ray_address` (astrai.runtime_ray), byte-identical output. The options are declared once, by a
+    recipe's preprocess stage (astrai.recipe.preprocess_stage); `astrai preprocess` reads its flags there.
     The output directory is locked for the whole run (astrai.runtime.output_lock): one writer at a time."""
     if executor == "ray":
         from astrai.runtime_ray import import_ray

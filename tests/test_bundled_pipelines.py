@@ -1,0 +1,60 @@
+"""The bundled pipelines (pipelines/*.yaml), as users copy them: they must not hide a data mistake."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from astrai.config import load_pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PIPELINES = sorted(glob.glob(os.path.join(ROOT, "pipelines", "*.yaml")))
+
+
+def _role_sections(pipe):
+    sections = list(pipe.input.sections or [])
+    for source in (pipe.input.sources or {}).values():
+        sections += list(source.sections)
+    return [s for s in sections if s.template]
+
+
+@pytest.mark.parametrize("path", PIPELINES, ids=os.path.basename)
+def test_no_bundled_pipeline_accepts_unknown_roles(path):
+    # mask_default set explicitly masks a typo'd role (then the record has nothing trained and is
+    # dropped as no_trained_tokens): unset, the typo is rejected as unknown_role, with its place
+    pipe = load_pipeline(path)
+    assert pipe.mask_default is None
+
+
+def test_setting_mask_default_changes_the_fingerprint():
+    # it changes what an unknown role does, so an output made without it is not up to date with it
+    from astrai.data.preprocess import fingerprint
+
+    path = os.path.join(ROOT, "pipelines", "chatml_sft.yaml")
+    unset, masked = load_pipeline(path), load_pipeline(path, ("mask_default=mask",))
+    assert fingerprint(unset, "tok", "tpl", []) != fingerprint(masked, "tok", "tpl", [])
+
+
+@pytest.mark.parametrize("path", [p for p in PIPELINES if _role_sections(load_pipeline(p))], ids=os.path.basename)
+def test_a_role_typo_is_rejected_as_unknown_role(path, tiny_tokenizer, tmp_path):
+    from astrai.data.preprocess import run_preprocess
+
+    pipe = load_pipeline(path, ("preprocessing.on_error=skip",))
+    good = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "good fine"}]
+    typo = [{"role": "user", "content": "hello"}, {"role": "asistant", "content": "good fine"}]
+    records = []
+    for messages in (good, typo):
+        if pipe.input.sources:  # DPO pairs / GRPO groups: the typo sits in the prompt
+            prompt = [dict(messages[1], content="yes"), messages[0]] if messages is typo else [messages[0]]
+            records.append({"prompt": prompt, "chosen": [good[1]], "rejected": [dict(good[1], content="no")],
+                            "completions": [{"text": "yes", "reward": 1.0}, {"text": "no", "reward": 0.0}]})
+        else:
+            records.append({"messages": messages})
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats = run_preprocess(pipe, [str(data)], str(tmp_path / "out"), tokenizer=str(tiny_tokenizer), workers=1,
+                           base_dir=os.path.dirname(path), log=lambda s: None)
+    assert stats["records_kept"] == 1 and stats["rejected_by_reason"] == {"unknown_role": 1}
+    (reject,) = [json.loads(line) for line in open(tmp_path / "out" / "rejects.jsonl")]
+    assert reject["line"] == "2" and "asistant" in reject["detail"]
