@@ -56,7 +56,7 @@ def _arrow_cache(out: Path, shard: str, record: dict) -> Path:
         pass
     cache.parent.mkdir(parents=True, exist_ok=True)
     for old in cache.parent.glob(f"{Path(shard).stem}*"):  # caches of other versions of this shard
-        if old.name.startswith((f"{Path(shard).stem}.", f"{Path(shard).stem}-")):
+        if old not in (cache, stamp_file) and old.name.startswith((f"{Path(shard).stem}.", f"{Path(shard).stem}-")):
             old.unlink(missing_ok=True)
     before = stat_stamp(source)
     check_digest(source, record)

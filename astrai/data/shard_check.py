@@ -67,6 +67,8 @@ def check_shard(out: Path, shard: str, record) -> Path:
                                                (("bytes", int), ("rows", int), ("sha256", str))):
         raise InputError(f"{out / 'manifest.json'}: no valid check for shard '{shard}' (bytes, rows, sha256): "
                          f"made by an older astrai or edited; run astrai preprocess again")
+    if path.exists() and not path.is_file():
+        raise InputError(f"{path}: not a regular file: {fix}")
     try:
         size = os.path.getsize(path)
     except OSError as e:

@@ -143,7 +143,7 @@ def _finished(root: Path) -> dict[int, Path]:
         return out
     for p in Path(root).iterdir():
         m = _STEP.fullmatch(p.name)
-        if m and p.is_dir() and (p / STATE).exists() and (p.name.startswith("step-") or m.group(2)):
+        if m and p.is_dir() and (p / STATE).is_file() and (p.name.startswith("step-") or m.group(2)):
             step = int(m.group(1))
             if step not in out or p.name.startswith("step-"):
                 out[step] = p
@@ -177,6 +177,8 @@ def refuse_pickles(path: Path):
 
 
 def read_state(path: Path) -> dict:
+    if not (path / STATE).is_file():
+        raise CheckpointError(f"{path / STATE}: not a regular file")
     try:
         saved = json.loads((path / STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:

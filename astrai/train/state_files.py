@@ -53,7 +53,16 @@ def _dump_json(path: Path, data: dict):
     path.write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=True) + "\n", encoding="utf-8")
 
 
+def _regular(path: Path):
+    """Only regular files are opened (a FIFO or a device named like a state file would block or
+    stream forever)."""
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file; the checkpoint is damaged (delete it to resume "
+                              f"from an earlier one)")
+
+
 def _read_json(path: Path) -> dict:
+    _regular(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -67,6 +76,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    _regular(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}

@@ -204,3 +204,11 @@ def test_a_nan_on_one_ddp_rank_stops_both_at_the_same_step(tmp_path):
     assert r.returncode != 0
     assert r.stderr.count("NonFiniteError: step 3: non-finite loss nan") == 2, r.stderr[-3000:]
     assert resume.latest(tmp_path / "run" / "checkpoints").name == "step-00000002"
+
+
+def test_a_fifo_named_like_a_state_file_is_refused_without_blocking(trained):
+    ckpt = resume.latest(trained / "checkpoints")
+    (ckpt / "scheduler.json").unlink()
+    os.mkfifo(ckpt / "scheduler.json")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        _trainer(trained, epochs=3, max_steps=6).fit()
