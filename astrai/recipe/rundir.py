@@ -172,7 +172,10 @@ class RunDir:
 
     def stage(self, name: str) -> StageDir:
         path = self.root / name
-        if path.is_symlink() or (path.exists() and path.resolve().parent != self.root.resolve()):
+        for p in (path, path / OUTPUT, path / NEXT, path / ASIDE):
+            if p.is_symlink():
+                raise RunDirError(f"{p} is a link out of the run directory; astrai writes only inside {self.root}")
+        if path.exists() and path.resolve().parent != self.root.resolve():
             raise RunDirError(f"{path} is a link out of the run directory; astrai writes only inside {self.root}")
         return StageDir(path)
 

@@ -182,3 +182,38 @@ def test_only_more_steps_continues_from_the_previous_output(run, calls):
     assert continued == run(overrides=["fit.steps=6"], force=True)["stages"][2]["metrics"]["train_loss"]
     assert statuses(run(overrides=["fit.steps=3"]))["fit"] == "replaced"  # fewer steps: starts over
     assert statuses(run(overrides=["fit.steps=8", "fit.lr=0.3"]))["fit"] == "replaced"  # more changed: over
+
+
+def test_an_output_folder_linked_out_of_the_run_dir_is_refused(run, tmp_path):
+    run()
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.me").write_text("x")
+    os.rename(run.root / "fit" / "output", tmp_path / "fit-output")
+    os.symlink(outside, run.root / "fit" / "output")
+    with pytest.raises(RunDirError, match="link out of the run directory"):
+        run(overrides=["fit.lr=0.3"])
+    assert [p.name for p in outside.iterdir()] == ["keep.me"]
+
+
+@pytest.mark.parametrize("crash_in", ["_write_metrics", "drop_replaced"])
+def test_a_kill_after_the_swap_is_put_in_order(run, calls, monkeypatch, crash_in):
+    """Killed after the new output was renamed in: before its state was written (the old output goes
+    back, the replacement is resumed), or after (the old one is only deleted)."""
+    run()
+    target = Runner if crash_in == "_write_metrics" else rundir.StageDir
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, crash_in, crash)
+    with pytest.raises(KeyboardInterrupt):
+        run(overrides=["fit.lr=0.25"])
+    monkeypatch.undo()
+    fit = run.root / "fit"
+    assert (fit / "output").exists() and (fit / ".output.replaced").exists()
+    s = run(overrides=["fit.lr=0.25"])
+    assert not (fit / ".output.replaced").exists() and not (fit / "output.next").exists()
+    assert statuses(s)["fit"] == ("replaced" if crash_in == "_write_metrics" else "skipped")
+    assert s["stages"][2]["metrics"]["train_loss"] == run(overrides=["fit.lr=0.25"], force=True)[
+        "stages"][2]["metrics"]["train_loss"]

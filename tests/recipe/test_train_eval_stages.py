@@ -176,3 +176,13 @@ def test_ctrl_c_while_retraining_keeps_the_last_model(recipe):
     state = json.loads((root / "stage.json").read_text())
     assert state["status"] == "done" and state["pending"]["status"] == "interrupted"
     assert "previous output" in err or "interrupted" in err
+
+
+@pytest.mark.slow
+def test_without_eval_every_the_table_reports_the_final_validation_loss(recipe):
+    s = run(recipe, ["train.eval_every=null", "train.max_steps=3"])
+    m = s["stages"][2]["metrics"]
+    curve = json.loads((recipe.parent / "run" / "train" / "metrics.json").read_text())["loss_curve"]["val"]
+    assert [p[0] for p in curve] == [0, 3]  # before the first step and once at the end
+    assert m["val_loss"] == curve[-1][1] and m["val_loss_drop"] == pytest.approx(curve[0][1] - curve[-1][1])
+    assert m["val_loss_drop"] != 0
