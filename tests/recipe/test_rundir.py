@@ -217,3 +217,20 @@ def test_a_kill_after_the_swap_is_put_in_order(run, calls, monkeypatch, crash_in
     assert statuses(s)["fit"] == ("replaced" if crash_in == "_write_metrics" else "skipped")
     assert s["stages"][2]["metrics"]["train_loss"] == run(overrides=["fit.lr=0.25"], force=True)[
         "stages"][2]["metrics"]["train_loss"]
+
+
+def test_a_report_written_beside_a_model_is_not_a_change_of_the_model(tmp_path):
+    from astrai.recipe.fingerprint import output_changes, output_stamp
+
+    out = tmp_path / "output"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"weights")
+    (out / "metrics.jsonl").write_text("{}\n")  # outside the stamped part: may change freely
+    rec = output_stamp(out, ("final",), ("eval.json",))
+    assert list(rec) == ["final/model.safetensors"]
+    (out / "final" / "eval.json").write_text("{}")  # astrai eval's default report
+    (out / "metrics.jsonl").write_text("{}\n{}\n")
+    assert output_changes(out, ("final",), rec, ("eval.json",)) is None
+    assert output_changes(out, ("final",), rec) == "final/eval.json was added"
+    (out / "final" / "model.safetensors").write_bytes(b"weightz")
+    assert output_changes(out, ("final",), rec, ("eval.json",)) == "final/model.safetensors was changed"
