@@ -17,6 +17,7 @@ before the engine's next step. Any failure answers in OpenAI's error shape; none
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import sys
 import time
@@ -29,7 +30,7 @@ import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from astrai.serve.loop import EngineLoop, Stream
@@ -38,6 +39,8 @@ from astrai.serve.protocol import APIError, ChatRequest, CompletionRequest, pars
 from astrai.serve.responses import (DONE, ChunkWriter, TokenText, chat_logprobs, chat_response, completion_logprobs,
                                     new_id, sse_error, text_response, usage)
 from astrai.text.template import TemplateRaised
+
+SHUTTING_DOWN = "the server is shutting down: the request was cancelled"
 
 
 @dataclass
@@ -74,6 +77,7 @@ class EventStream:
                                 (b"x-accel-buffering", b"no")]})
         sender = asyncio.ensure_future(self._send_all(send))
         watcher = asyncio.ensure_future(_disconnected(receive))
+        stopping = False
         try:
             while True:
                 done, _ = await asyncio.wait({sender, watcher}, timeout=min(1.0, self.stall),
@@ -86,10 +90,16 @@ class EventStream:
                 since = self.sending_since
                 if since is not None and time.monotonic() - since > self.stall:
                     break  # the client stopped reading: give its pages back, close the connection
+        except asyncio.CancelledError:
+            stopping = True  # the server stops and the grace period is over
         finally:
             for t in (sender, watcher):
                 t.cancel()
             self.on_close()
+        if stopping:  # say why the stream ends, if the client still reads (bounded: it may not)
+            end = sse_error(APIError(503, SHUTTING_DOWN).body()) + DONE
+            with contextlib.suppress(asyncio.TimeoutError, OSError):
+                await asyncio.wait_for(send({"type": "http.response.body", "body": end, "more_body": False}), 1.0)
 
 
 class Server:
@@ -162,11 +172,14 @@ class Server:
         watcher = asyncio.ensure_future(_disconnected(request.receive))
         try:
             await asyncio.wait({stream.done, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server stops and the grace period is over
+            self.loop.cancel(stream)
+            raise APIError(503, SHUTTING_DOWN) from None
         finally:
             watcher.cancel()
-        if not stream.done.done():
+        if not stream.done.done():  # the client went away: nobody to answer
             self.loop.cancel(stream)
-            raise asyncio.CancelledError  # nobody to answer
+            return None
         errors = [r for r in stream.results if isinstance(r, str)]
         if errors:
             raise APIError(500, errors[0])
@@ -190,6 +203,8 @@ class Server:
             body = self._chunks(stream, ChunkWriter(rid, model, True, include), include, bool(req.logprobs), [len(ids)])
             return EventStream(body, lambda: self.loop.cancel(stream), self.cfg.stall_timeout)
         done = await self.collect(stream, request)
+        if done is None:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         return JSONResponse(chat_response(rid, model, done, bool(req.logprobs), self.tt))
 
     async def completions(self, request: Request):
@@ -210,6 +225,8 @@ class Server:
             body = self._chunks(stream, ChunkWriter(rid, model, False, include), include, want_lp, lens, req.n)
             return EventStream(body, lambda: self.loop.cancel(stream), self.cfg.stall_timeout)
         done = await self.collect(stream, request)
+        if done is None:
+            return Response(status_code=499)
         return JSONResponse(text_response(rid, model, done, want_lp, self.tt, lens, req.n))
 
     async def _chunks(self, stream: Stream, w: ChunkWriter, include_usage: bool, want_lp: bool,

@@ -78,15 +78,17 @@ def serve_main(options: ServeOptions, out=None) -> int:
                          Path(options.checkpoint).resolve().name}) - {name}
     api_key = options.api_key if options.api_key is not None else os.environ.get("ASTRAI_API_KEY") or None
     app = build_app(engine, ServeConfig(name, aliases, api_key, options.max_queue, options.stall_timeout))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=options.shutdown_timeout, timeout_keep_alive=30)
+    server = _server_class()(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from the ready line on, a signal stops the server cleanly
+        signal.signal(sig, server.handle_exit)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"astrai serve: {name} on http://{shown}:{port}/v1 (OpenAI API; /health, /metrics)", file=out, flush=True)
     if not _is_loopback(options.host):
         print(f"astrai serve: listening on {options.host}: reachable from the network"
               + ("" if api_key else " by anyone (no --api-key given)"), file=out, flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=options.shutdown_timeout, timeout_keep_alive=30)
-    server = _Server(config)
+    print(f"astrai serve: {name} on http://{shown}:{port}/v1 (OpenAI API; /health, /metrics)", file=out, flush=True)
     # Everything loaded so far (torch, the model, the tokenizer) lives as long as the process: keep it out of
     # the collector's full passes, which otherwise walk it all during serving and again at exit (seconds).
     gc.freeze()
@@ -99,7 +101,7 @@ def serve_main(options: ServeOptions, out=None) -> int:
     return 0
 
 
-def _uvicorn_server():
+def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -113,7 +115,3 @@ def _uvicorn_server():
                     signal.signal(s, handler)
 
     return Server
-
-
-def _Server(config):
-    return _uvicorn_server()(config)

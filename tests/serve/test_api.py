@@ -167,6 +167,8 @@ def test_logprobs_equal_transformers(server, client, serve_checkpoint):
 
 
 def test_models_and_aliases(server, client, serve_checkpoint):
+    assert server.url.startswith("http://127.0.0.1:")  # loopback unless told otherwise
+    assert not any("reachable from the network" in line for line in server.lines)
     models = client.models.list().data
     assert [m.id for m in models] == [str(serve_checkpoint)]
     r = client.chat.completions.create(model=serve_checkpoint.name, messages=CHATS[0], max_tokens=2)
