@@ -17,9 +17,10 @@ def serve_checkpoint(tmp_path_factory, tiny_tokenizer, make_chat_checkpoint):
     return make_chat_checkpoint(tmp_path_factory.mktemp("serve-ckpt"), tiny_tokenizer)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(serve_checkpoint):
-    """The tiny chat checkpoint behind a default server (small pages so prompts share several)."""
+    """The tiny chat checkpoint behind a server shared by the tests (small pages so prompts share several);
+    tests read counters as differences and prompts are their own, so they do not depend on each other."""
     s = ServerProcess(serve_checkpoint, "--page-size", "4", "--kv-cache-tokens", "16384")
     yield s
     assert s.stop() == 0, "".join(s.stderr)[-3000:]
