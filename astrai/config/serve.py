@@ -34,6 +34,8 @@ class ServeOptions(BaseModel):
                                  "reading before its request is cancelled and the connection closed")
     shutdown_timeout: float = Field(10.0, ge=0, description="on Ctrl-C or SIGTERM: seconds running requests get to "
                                     "finish before they are cancelled")
+    threads: Optional[int] = Field(None, ge=1, description="torch threads for the engine's CPU work; default: the "
+                                   "cores less one (left to the HTTP side), at least 1")
     engine: EngineOptions = Field(default_factory=EngineOptions)
 
 

@@ -41,6 +41,7 @@ from astrai.serve.responses import (DONE, ChunkWriter, TokenText, chat_logprobs,
 from astrai.text.template import TemplateRaised
 
 SHUTTING_DOWN = "the server is shutting down: the request was cancelled"
+MAX_BODY = 32 * 2 ** 20  # bytes: far above any context's worth of JSON, far below what would hurt the server
 
 
 @dataclass
@@ -50,6 +51,19 @@ class ServeConfig:
     api_key: Optional[str] = None
     max_queue: int = 256
     stall_timeout: float = 30.0
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused with 413 past MAX_BODY (read in pieces: a lying Content-Length cannot pass)."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY:
+        raise APIError(413, f"the body is larger than {MAX_BODY // 2 ** 20} MiB")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise APIError(413, f"the body is larger than {MAX_BODY // 2 ** 20} MiB")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def _disconnected(receive) -> None:
@@ -161,6 +175,9 @@ class Server:
         return ids
 
     def submit(self, choices, end_of_turn: bool, streaming: bool, arrival: float) -> Stream:
+        if len(choices) > self.capacity:
+            raise APIError(400, f"{len(choices)} choices (n x prompts) exceed what the server takes at once "
+                                f"({self.capacity}: --max-running + --max-queue)", param="n")
         if self.loop.in_flight + len(choices) > self.capacity:
             waiting = max(self.loop.in_flight - self.engine.scheduler.max_running, 0)
             raise APIError(429, f"the server is busy: {waiting} request(s) already wait for a slot (--max-queue "
@@ -189,11 +206,12 @@ class Server:
     async def chat(self, request: Request):
         arrival = time.perf_counter()
         self.authorize(request)
-        req = parse(ChatRequest, await request.body())
+        req = parse(ChatRequest, await _body(request))
         self.check_model(req.model)
         ids = await self.encode(req.conversation(), "messages")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, param, "messages")
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.max_tokens(len(ids), asked, param, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         choices = [(ids, sampling_params(req, max_tokens, k, "top_logprobs", i)) for i in range(req.n)]
         stream = self.submit(choices, True, bool(req.stream), arrival)
@@ -210,7 +228,7 @@ class Server:
     async def completions(self, request: Request):
         arrival = time.perf_counter()
         self.authorize(request)
-        req = parse(CompletionRequest, await request.body())
+        req = parse(CompletionRequest, await _body(request))
         self.check_model(req.model)
         prompts = [await self.encode(p, "prompt") for p in req.prompts()]
         choices = []

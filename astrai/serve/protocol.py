@@ -21,6 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from astrai.config.infer import SamplingParams
 
 MAX_N = 128
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs)
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4): each is searched for after every token
+MAX_STOP_CHARS = 1000
+SEED = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1 - MAX_N)  # what a torch.Generator takes, for seed + choice
+StopList = Union[str, list[str], None]
 
 
 class APIError(Exception):
@@ -67,8 +72,8 @@ class _Common(_Strict):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = SEED
+    stop: StopList = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = False
     stream: Optional[bool] = False
@@ -83,6 +88,9 @@ class _Common(_Strict):
     service_tier: Optional[str] = None
 
     def neutral_fields(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stops):
+            raise APIError(400, f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters", param="stop")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (use repetition_penalty)", param=name)
@@ -97,7 +105,7 @@ class ChatRequest(_Common):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: Optional[bool] = None
@@ -138,7 +146,7 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = 16  # OpenAI's default for text completions
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Optional[bool] = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None

@@ -60,6 +60,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _set_threads(threads: int | None) -> None:
+    """The engine thread steps the model while the event loop streams tokens: torch's CPU thread pool gets the
+    cores but one, or two busy pools would fight (an OpenMP team waiting on a descheduled member spins: on
+    this 2-core machine a 16-request step of the tiny model took 7x the CPU time with 2 threads, bench/RESULTS.md)."""
+    import torch
+
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+
+
 def serve_main(options: ServeOptions, out=None) -> int:
     out = out or sys.stdout
     missing = _missing_extra()
@@ -72,6 +81,7 @@ def serve_main(options: ServeOptions, out=None) -> int:
     from astrai.serve.app import ServeConfig, build_app
 
     sock = bind(options.host, options.port)  # before loading: a busy port fails in a second, not a minute
+    _set_threads(options.threads)
     engine = Engine.from_checkpoint(options.checkpoint, options.engine)
     name = options.served_model_name or options.checkpoint
     aliases = frozenset({options.checkpoint, str(Path(options.checkpoint).resolve()),

@@ -33,6 +33,10 @@ CHAT = [{"role": "user", "content": "hello"}]
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
      "only text parts"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"messages": CHAT, "seed": 2 ** 64}, "seed", "less than or equal to"),
+    ({"messages": CHAT, "stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
+    ({"messages": CHAT, "n": 129}, "n", "less than or equal to 128"),
 ])
 def test_bad_chat_requests_are_400_naming_the_field(server, body, param, words):
     status, err = server.post("/v1/chat/completions", body)
@@ -51,6 +55,22 @@ def test_bad_chat_requests_are_400_naming_the_field(server, body, param, words):
 def test_bad_completion_requests_are_400(server, body, param, words):
     status, err = server.post("/v1/completions", body)
     assert_error(status, err, 400, param, words)
+
+
+def test_too_large_bodies_and_batches(server):
+    import http.client
+
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("content-type", "application/json")
+    conn.putheader("content-length", str(33 * 2 ** 20))  # refused on the header, before any byte is read
+    conn.endheaders()
+    r = conn.getresponse()
+    assert_error(r.status, json.loads(r.read()), 413, None, "larger than 32 MiB")
+    conn.close()
+    status, err = server.post("/v1/completions", {"prompt": ["a"] * 40, "n": 10})
+    assert_error(status, err, 400, "n", "400 choices")
 
 
 def test_context_overflow_names_both_numbers(server, client, serve_checkpoint):
