@@ -17,10 +17,16 @@ from astrai.config.infer import EngineOptions, SamplingParams
 CHAT_MAX_TOKENS = 512
 
 
+CHECKPOINT = ("checkpoint directory (config.json, safetensors, tokenizer files), or a LoRA adapter directory "
+              "(adapter_config.json: its base is merged in)")
+BASE = "the base checkpoint of an adapter directory CHECKPOINT (default: its adapter_config.json's base_model_name_or_path)"
+
+
 class ServeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    checkpoint: str = Field(description="checkpoint directory: config.json, safetensors, tokenizer files")
+    checkpoint: str = Field(description=CHECKPOINT)
+    base: Optional[str] = Field(None, description=BASE)
     host: str = Field("127.0.0.1", description="address to listen on; 0.0.0.0 makes the server reachable from "
                       "the network (give --api-key then)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 takes a free one (printed at start)")
@@ -42,7 +48,8 @@ class ServeOptions(BaseModel):
 class ChatOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    checkpoint: str = Field(description="checkpoint directory: config.json, safetensors, tokenizer files")
+    checkpoint: str = Field(description=CHECKPOINT)
+    base: Optional[str] = Field(None, description=BASE)
     system: Optional[str] = Field(None, description="system message that opens the conversation")
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=CHAT_MAX_TOKENS))
     engine: EngineOptions = Field(default_factory=EngineOptions)

@@ -32,7 +32,7 @@ def chat_main(options: ChatOptions, inp=None, out=None, err=None) -> int:
     from astrai.infer.engine import Engine
 
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     if engine.template is None:
         print("error: this checkpoint has no chat template (tokenizer_config.json or chat_template.jinja); "
               "give one with --chat-template chatml (or a .jinja path)", file=err)

@@ -82,7 +82,7 @@ def serve_main(options: ServeOptions, out=None) -> int:
 
     sock = bind(options.host, options.port)  # before loading: a busy port fails in a second, not a minute
     _set_threads(options.threads)
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     name = options.served_model_name or options.checkpoint
     aliases = frozenset({options.checkpoint, str(Path(options.checkpoint).resolve()),
                          Path(options.checkpoint).resolve().name}) - {name}
