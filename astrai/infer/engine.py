@@ -97,7 +97,7 @@ class Engine:
                              min(num_pages * o.page_size, c.max_position_embeddings), o.prefix_cache, self.device)
         self.backend = select_backend(self.device, dtype)(kv.k_cache, kv.v_cache)
         self.scheduler = Scheduler(self.pool, o.max_running, o.max_step_tokens)
-        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, compile=o.compile)
         self.stats = EngineStats()
         self._next_rid = 0
         self._texts: dict[int, OutputText] = {}

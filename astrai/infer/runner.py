@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 
 from astrai.infer.backend import AttentionBackend, AttentionMeta
+from astrai.infer.backends.torch_native import padded_kv_slots
 from astrai.infer.cache import PagePool, pages_for
+from astrai.infer.fused import FusedModel, rope_tables, unsupported
 from astrai.infer.scheduler import Batch
 from astrai.model.attention import AttentionContext
 
@@ -28,6 +30,16 @@ from astrai.model.attention import AttentionContext
 class PagedContext(AttentionContext):
     def __init__(self, backend: AttentionBackend, meta: AttentionMeta, slots: torch.Tensor, decode: bool):
         self.backend, self.meta, self.slots, self.decode = backend, meta, slots, decode
+        self._tables = None
+
+    def rope_tables(self, position_ids, rope):
+        """(cos, sin_signed) for the step, gathered once and shared by every layer; None when the
+        backend applies RoPE itself (a fused kernel)."""
+        if type(self.backend).rotary is not AttentionBackend.rotary:
+            return None
+        if self._tables is None:
+            self._tables = rope_tables(position_ids, rope, self.backend.k_cache[0].dtype)
+        return self._tables
 
     def rotary(self, q, k, position_ids, rope):
         return self.backend.rotary(q, k, position_ids, rope)
@@ -40,11 +52,32 @@ class PagedContext(AttentionContext):
 
 
 class ModelRunner:
-    def __init__(self, model, pool: PagePool, backend: AttentionBackend, device="cpu"):
+    def __init__(self, model, pool: PagePool, backend: AttentionBackend, device="cpu", fused: bool = True,
+                 compile: bool = False):
         self.model = model
         self.pool = pool
         self.backend = backend
         self.device = torch.device(device)
+        # why the model's own forward runs instead of the fused one (None: the fused one runs)
+        self.reference_reason = "fused forward off" if not fused else unsupported(model)
+        self.fused = FusedModel(model) if self.reference_reason is None else None
+        self._head_t: torch.Tensor | None = None
+        self._head_key: tuple | None = None
+        self.compiled = None
+        if compile:
+            self.compiled = self._compiled_decode()
+
+    def _compiled_decode(self):
+        from astrai.infer.backends.torch_native import TorchBackend
+        from astrai.infer.compiled import CompiledDecode
+
+        if self.fused is None:
+            raise ValueError(f"compile needs the fused forward, which cannot run this model: {self.reference_reason}")
+        if self.device.type != "cpu" or not isinstance(self.backend, TorchBackend):
+            raise ValueError("compile is for the CPU (torch attention backend); on a GPU decode runs as CUDA graphs")
+        decode = CompiledDecode(self.fused, self.backend.k_cache, self.backend.v_cache)
+        decode.warm_up()
+        return decode
         self._head_t: torch.Tensor | None = None
         self._head_key: tuple | None = None
 
@@ -80,7 +113,16 @@ class ModelRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [n_sampling, vocab] (float32) for the requests of the batch that sample, in batch order."""
         ids, pos, ctx, last = self.prepare(batch)
-        hidden = self.model(ids, pos, ctx)
+        if self.fused is None:
+            hidden = self.model(ids, pos, ctx)
+        else:
+            self.fused.refresh()
+            if ctx.decode and self.compiled is not None:
+                kv_slots, valid = padded_kv_slots(ctx.meta)
+                bias = torch.zeros(valid.shape, dtype=self.backend.k_cache[0].dtype).masked_fill_(~valid, float("-inf"))
+                hidden = self.compiled(ids, ctx.slots, kv_slots, bias, ctx.rope_tables(pos, self.model.rope))
+            else:
+                hidden = self.fused(ids, pos, ctx)
         if not last:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.logits(hidden[torch.tensor(last, device=hidden.device)]).float()
