@@ -148,6 +148,9 @@ class Engine:
     def step(self) -> list[tuple[Request, int, str]]:
         """Run one forward; returns (request, sampled token, newly visible text) per sampled token."""
         t0 = time.perf_counter()
+        if self.runner.sync_weights():
+            # cached prefixes hold K/V of the old weights: no later request may reuse them
+            self.pool.reset_prefix_cache()
         batch = self.scheduler.schedule()
         if not batch.reqs:
             raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")

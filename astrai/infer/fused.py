@@ -15,9 +15,9 @@ x * cos + swap_halves(x) * sin_signed, where sin_signed is sin with its first ha
 same products and sum as Hugging Face's x * cos + rotate_half(x) * sin (a negation is exact).
 
 Weights change in place (an optimizer step, `load_state_dict`) or are replaced (`param.data = ...`):
-`refresh()` compares each source parameter's (data pointer, version counter) with those the fused
-copies were built from and rebuilds them when one differs; the runner calls it before every step.
-The copies cost the layer weights' size once more in memory.
+`WeightWatch` sees either (each parameter's data pointer and version counter), and the runner
+calls `rebuild()` before the next step (astrai.infer.runner). The copies cost the q/k/v and
+gate/up weights' size once more in memory.
 
 `unsupported(model)` says why a model must take the reference path (the model's own forward):
 a mixture of experts, a projection that is not a plain nn.Linear (LoRA-wrapped), or a config field
@@ -94,6 +94,32 @@ def _cat_bias(*linears: nn.Linear) -> Optional[torch.Tensor]:
     return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
 
+class WeightWatch:
+    """Tells whether any parameter of a module changed since the last look: changed in place (its
+    version counter moved: an optimizer step, load_state_dict, copy_) or replaced (a new tensor or
+    Parameter object under the same name: its data pointer moved). Costs one read of each
+    parameter's pointer and counter per look."""
+
+    def __init__(self, module: nn.Module):
+        seen, self._where = set(), []
+        for m in module.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) not in seen:  # a tied weight once
+                    seen.add(id(p))
+                    self._where.append((m._parameters, name))
+        self._key = self._now()
+
+    def _now(self) -> list:
+        return [(params[name].data_ptr(), _version(params[name])) for params, name in self._where]
+
+    def changed(self) -> bool:
+        key = self._now()
+        if key == self._key:
+            return False
+        self._key = key
+        return True
+
+
 class FusedModel:
     def __init__(self, model):
         why = unsupported(model)
@@ -104,30 +130,12 @@ class FusedModel:
         self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.eps = c.rms_norm_eps
         self.layers: list[FusedLayer] = []
-        self._key: Optional[list] = None
-        self._watch: list[tuple[dict, str]] = []
         self.builds = 0  # how many times the fused copies were made (tests watch the rebuilds)
-        self.refresh()
-
-    def _watch_list(self) -> list[tuple[dict, str]]:
-        """(module._parameters, name) of every layer weight: read back each step, so a parameter
-        replaced by a new object is seen as well as one changed in place."""
-        return [(m._parameters, n) for layer in self.model.model.layers for m in layer.modules()
-                for n, p in m._parameters.items() if p is not None]
-
-    def stale(self) -> bool:
-        for (params, name), (ptr, version) in zip(self._watch, self._key):
-            p = params[name]
-            if p.data_ptr() != ptr or _version(p) != version:
-                return True
-        return False
+        self.rebuild()
 
     @torch.no_grad()
-    def refresh(self) -> bool:
-        """Rebuild the fused copies if a source weight changed since they were made; True if rebuilt."""
-        if self._key is not None and not self.stale():
-            return False
-        self._watch = self._watch_list()
+    def rebuild(self) -> None:
+        """(Re)make the fused copies from the model's current weights."""
         self.layers = []
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -139,9 +147,7 @@ class FusedModel:
                 ln2=layer.post_attention_layernorm.weight.detach(),
                 gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
                 down=m.down_proj.weight.detach()))
-        self._key = [(params[n].data_ptr(), _version(params[n])) for params, n in self._watch]
         self.builds += 1
-        return True
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
         """hidden [T, H] after the final norm, as CausalLM.forward returns it."""

@@ -22,7 +22,7 @@ import torch
 from astrai.infer.backend import AttentionBackend, AttentionMeta
 from astrai.infer.backends.torch_native import padded_kv_slots
 from astrai.infer.cache import PagePool, pages_for
-from astrai.infer.fused import FusedModel, rope_tables, unsupported
+from astrai.infer.fused import FusedModel, WeightWatch, rope_tables, unsupported
 from astrai.infer.scheduler import Batch
 from astrai.model.attention import AttentionContext
 
@@ -61,11 +61,21 @@ class ModelRunner:
         # why the model's own forward runs instead of the fused one (None: the fused one runs)
         self.reference_reason = "fused forward off" if not fused else unsupported(model)
         self.fused = FusedModel(model) if self.reference_reason is None else None
+        self.watch = WeightWatch(model)
         self._head_t: torch.Tensor | None = None
         self._head_key: tuple | None = None
         self.compiled = None
         if compile:
             self.compiled = self._compiled_decode()
+
+    def sync_weights(self) -> bool:
+        """Before a step: True if the model's weights changed since the last step (the fused copies are
+        then rebuilt; K/V computed with the old weights is the caller's to drop)."""
+        if not self.watch.changed():
+            return False
+        if self.fused is not None:
+            self.fused.rebuild()
+        return True
 
     def _compiled_decode(self):
         from astrai.infer.backends.torch_native import TorchBackend
@@ -116,7 +126,6 @@ class ModelRunner:
         if self.fused is None:
             hidden = self.model(ids, pos, ctx)
         else:
-            self.fused.refresh()
             if ctx.decode and self.compiled is not None:
                 kv_slots, valid = padded_kv_slots(ctx.meta)
                 bias = torch.zeros(valid.shape, dtype=self.backend.k_cache[0].dtype).masked_fill_(~valid, float("-inf"))
