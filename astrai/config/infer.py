@@ -56,6 +56,8 @@ class EngineOptions(BaseModel):
     chat_template: Optional[str] = Field(None, description="bundled name or .jinja path; default: the tokenizer's")
     compile: bool = Field(False, description="cpu: torch.compile the decode step at start (tens of seconds once, "
                           "cached on disk; needs a C++ compiler)")
+    cuda_graphs: bool = Field(True, description="gpu with the cuda attention backend: replay decode steps as CUDA "
+                              "graphs captured per batch-size bucket")
 
 
 CLI_MAX_TOKENS = 256
