@@ -80,6 +80,10 @@ class FusedLayer:
     gate_up: torch.Tensor  # [2 I, H]
     down: torch.Tensor  # [H, I]
 
+    def __post_init__(self):
+        # transposed views for addmm (x + h @ W^T), made once rather than per step
+        self.o_t, self.down_t = self.o.t(), self.down.t()
+
 
 def _version(p: torch.Tensor) -> int:
     try:
@@ -170,12 +174,12 @@ class FusedModel:
         else:  # the backend applies RoPE itself (a fused kernel)
             q, k = ctx.rotary(qkv[:, :hq], qkv[:, hq:hq + hkv], position_ids, self.model.rope)
         o = ctx.attend(i, q, k, qkv[:, hq + hkv:])
-        x = torch.addmm(x, o.reshape(t, hq * d), w.o.t())
+        x = torch.addmm(x, o.reshape(t, hq * d), w.o_t)
         h = rms_norm(x, w.ln2, self.eps)
         gu = F.linear(h, w.gate_up)
         inter = gu.shape[-1] // 2
         act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-        return torch.addmm(x, act, w.down.t())
+        return torch.addmm(x, act, w.down_t)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -199,7 +203,6 @@ def rope_tables(position_ids: torch.Tensor, rope, dtype: torch.dtype) -> tuple[t
 
 def rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
     """x [T, H, D] <- x * cos + swap_halves(x) * sin_signed (Hugging Face's half-split rotary)."""
-    t, h, d = x.shape
-    swapped = x.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)  # a copy: [x2, x1]
+    swapped = x.roll(x.shape[-1] // 2, -1)  # a copy: [x2, x1]
     swapped.mul_(sin_signed)
     x.mul_(cos).add_(swapped)
