@@ -53,6 +53,13 @@ class PagePool:
         """Pages a new allocation can get: free now plus evictable from the radix cache."""
         return self.alloc.num_free + self.alloc.evictable
 
+    def usage(self) -> tuple[int, int, int]:
+        """(free, cached, total) token slots: free pages, pages held only by the radix cache (reclaimable
+        by eviction), all pages. With no live request every page is one or the other: free + cached == total."""
+        ps = self.page_size
+        cached = self.alloc.evictable if self.radix is not None else 0
+        return self.alloc.num_free * ps, cached * ps, self.num_pages * ps
+
     def attach(self, req: Request) -> int:
         """Give the request a table row and its cached prefix; returns the number of cached tokens."""
         assert req.row is None and not req.pages and req.kv_len == 0

@@ -130,12 +130,22 @@ class Engine:
         return cls(model, tokenizer, options, eos)
 
     # ---- requests ----
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Request:
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The token ids of a prompt (a conversation rendered with the chat template); no engine state is
+        touched, so a server may call it outside the thread that steps the engine."""
+        return encode_prompt(prompt, self.tokenizer, self.template)
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    end_of_turn: Optional[bool] = None) -> Request:
+        """`end_of_turn`: also stop at the chat template's end-of-turn token; default: when the prompt is a
+        conversation (pass True with the ids of a conversation already rendered by `encode`)."""
         params = params or SamplingParams()
-        ids = encode_prompt(prompt, self.tokenizer, self.template)
+        ids = self.encode(prompt)
         stop_ids = set(params.stop_token_ids)
+        if end_of_turn is None:
+            end_of_turn = is_chat(prompt)
         if not params.ignore_eos:
-            stop_ids |= self.eos_ids | ({self.eot_id} if is_chat(prompt) and self.eot_id is not None else set())
+            stop_ids |= self.eos_ids | ({self.eot_id} if end_of_turn and self.eot_id is not None else set())
         req = Request(self._next_rid, ids, params, frozenset(stop_ids))
         req.generator = make_generator(params.seed, self.device)
         self.scheduler.add(req)  # raises RequestTooLarge for a request that can never fit
