@@ -92,12 +92,15 @@ class Engine:
         self.eos_ids = frozenset(eos_ids) | ({tokenizer.eos_id} if tokenizer and tokenizer.eos_id is not None else set())
         self.eot_id = end_of_turn_id(tokenizer, self.template) if self.template is not None else None
         num_pages = pages_for(o.kv_cache_tokens, o.page_size)
-        kv = KVStorage(c.num_hidden_layers, num_pages * o.page_size, c.num_key_value_heads, c.head_dim, dtype, self.device)
+        # one page more than the pool hands out: the scratch page padded rows of a CUDA graph write to
+        kv = KVStorage(c.num_hidden_layers, (num_pages + 1) * o.page_size, c.num_key_value_heads, c.head_dim, dtype,
+                       self.device)
         self.pool = PagePool(num_pages, o.page_size, o.max_running,
                              min(num_pages * o.page_size, c.max_position_embeddings), o.prefix_cache, self.device)
         self.backend = select_backend(self.device, dtype)(kv.k_cache, kv.v_cache)
         self.scheduler = Scheduler(self.pool, o.max_running, o.max_step_tokens)
-        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, compile=o.compile,
+                                  cuda_graphs=o.cuda_graphs)
         self.stats = EngineStats()
         self._next_rid = 0
         self._texts: dict[int, OutputText] = {}
@@ -164,6 +167,9 @@ class Engine:
     def step(self) -> list[tuple[Request, int, str]]:
         """Run one forward; returns (request, sampled token, newly visible text) per sampled token."""
         t0 = time.perf_counter()
+        if self.runner.sync_weights():
+            # cached prefixes hold K/V of the old weights: no later request may reuse them
+            self.pool.reset_prefix_cache()
         batch = self.scheduler.schedule()
         if not batch.reqs:
             raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
