@@ -124,6 +124,9 @@ class TrainOptions(StrictModel):
         "none", description="where metrics go besides metrics.jsonl: tensorboard (event files in OUTPUT/runs), "
         "wandb (offline, OUTPUT/wandb), a list of both, or none; each needs its extra installed")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint")
+    skip_nonfinite_steps: int = Field(0, ge=0, description="optimizer steps with a NaN/inf loss or gradient norm "
+                                                           "skipped (counted) before training stops; 0: stop at "
+                                                           "the first")
 
     @classmethod
     def combination_problems(cls, data) -> list[tuple[tuple, str]]:

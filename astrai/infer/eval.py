@@ -1,12 +1,13 @@
 """Evaluation (`astrai eval CHECKPOINT --data DIR`, and a recipe's eval stage) -> eval.json.
 
 On single-output data, perplexity (token-weighted, trained tokens only) of a held-out preprocessed
-directory read back through astrai.data.load.ShardDataset, packed rows evaluated with document
-isolation (see perplexity.py). On DPO pairs, the held-out reward accuracy and margin against the
-reference model (`ref_model`: the model DPO started from); on scored groups (GRPO data), the
-reward the model would collect choosing among each group's candidates (preference.py). Plus
-sample generations through the engine. eval.json holds those figures, the counts, the samples and
-the generation statistics; a summary is printed.
+directory read back through astrai.data.load.ShardDataset (its shards verified against the
+manifest), packed rows evaluated with document isolation (see perplexity.py). On DPO pairs, the
+held-out reward accuracy and margin against the reference model (`ref_model`: the model DPO
+started from); on scored groups (GRPO data), the reward the model would collect choosing among
+each group's candidates (preference.py). Data made with another tokenizer than the checkpoint's
+is refused (`tokenizer_problem`). Plus sample generations through the engine. eval.json holds
+those figures, the counts, the samples and the generation statistics; a summary is printed.
 
 Samples of DPO/GRPO data: the prompt of each of the first rows, the chosen (best-rewarded) answer as
 the reference. Samples of single-output data: for `samples` held-out documents (whole documents first, not pieces that bfd_split cut
@@ -19,9 +20,30 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Optional
 from pathlib import Path
 
 from astrai.config.infer import EvalOptions
+
+
+def tokenizer_problem(manifest: dict, tokenizer, checkpoint, data) -> Optional[str]:
+    """Why the held-out data cannot be scored by this checkpoint's tokenizer, or None. The manifest
+    records the content digest of the tokenizer that made the data (astrai.text.tokenizer.
+    content_digest); the checkpoint's tokenizer must have the same one: ids made by another
+    tokenizer mean other tokens to the model, and their perplexity means nothing."""
+    from astrai.text.tokenizer import content_digest
+
+    recorded = (manifest.get("tokenizer") or {}).get("content")
+    if not recorded:
+        return f"{data}: its manifest records no tokenizer digest (made by an older astrai); run astrai preprocess again"
+    if tokenizer is None:
+        return (f"{checkpoint}: has no tokenizer files, so the data cannot be checked against the model's tokenizer; "
+                f"copy the tokenizer the model was trained with into it")
+    mine = content_digest(tokenizer)
+    if mine != recorded:
+        return (f"{data} was made with another tokenizer (digest {recorded[:12]}) than the checkpoint {checkpoint} "
+                f"uses ({mine[:12]}); preprocess the held-out data with the checkpoint's tokenizer")
+    return None
 
 
 def run_eval(options: EvalOptions, out=None) -> dict:
@@ -40,6 +62,9 @@ def run_eval(options: EvalOptions, out=None) -> dict:
         raise ValueError(f"{options.data} holds DPO pairs: their reward figures need the reference model (the "
                          f"checkpoint DPO started from): give --ref-model DIR (in a recipe: ref_model: STAGE)")
     engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
+    problem = tokenizer_problem(dataset.manifest, engine.tokenizer, options.checkpoint, options.data)
+    if problem:
+        raise ValueError(problem)
     result = {"checkpoint": str(options.checkpoint), "data": str(options.data), "data_kind": kind}
     if kind == "single":
         result.update(perplexity(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device))

@@ -37,12 +37,14 @@ PREPROCESS = StageKind(
     refs={"tokenizer": ("tokenizer",)}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
     code=("astrai.data", "astrai.config", "astrai.schema", "astrai.recipe.preprocess_stage"),
     describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
-    figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"))
+    figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"),
+    stamped=("train", "val"))
 
 
 def _train_kind() -> StageKind:
     from astrai.model.config import PRESETS
-    from astrai.recipe.train_stage import TrainStageOptions, check_train, describe_train, run_train_stage
+    from astrai.recipe.train_stage import (GROWABLE, TrainStageOptions, check_train, continues_train, describe_train,
+                                           run_train_stage)
 
     return StageKind(
         "train", TrainStageOptions, run_train_stage, produces="model",
@@ -51,7 +53,8 @@ def _train_kind() -> StageKind:
         code=("astrai.train", "astrai.model", "astrai.recipe.train_stage"), describe=describe_train,
         check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop",
                                     "val_reward_accuracy_start", "val_reward_accuracy", "val_reward_margin",
-                                    "val_policy_reward_start", "val_policy_reward"))
+                                    "val_policy_reward_start", "val_policy_reward"),
+        stamped=("final",), unstamped=("eval.json",), growable=GROWABLE, continues=continues_train)
 
 
 def _eval_kind() -> StageKind:

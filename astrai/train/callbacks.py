@@ -63,8 +63,9 @@ class GradientClipping(Callback):
 
 class Checkpoint(Callback):
     """Every `every` optimizer steps, at the end, on a stop signal, and on an error raised at a step
-    boundary (mid-step state is never saved: it could not resume exactly; nor under fsdp with
-    several ranks, where the state cannot be gathered from a failing rank)."""
+    boundary in one process (mid-step state is never saved: it could not resume exactly; nor with
+    several ranks, where a save is collective and the failing rank's peers may never join it; nor
+    after non-finite weights)."""
 
     def __init__(self, every: int):
         self.every = every
@@ -77,27 +78,31 @@ class Checkpoint(Callback):
             trainer.save_checkpoint()
 
     def on_error(self, trainer, error):
-        # sharded, gathering the full state needs every rank, and the others are not here: no save
-        if trainer.sharded and trainer.dist.active:
+        from astrai.train.trainer import NonFiniteError
+
+        if trainer.dist.active or isinstance(error, NonFiniteError):
             return
-        if trainer.state.at_boundary and trainer.state.global_step > 0:
+        if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:
             trainer.save_checkpoint()
 
     def on_train_end(self, trainer):
-        if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:
+        s = trainer.state
+        if s.completed and s.at_boundary and s.global_step > s.saved_step:
             trainer.save_checkpoint()
 
 
 class Metrics(Callback):
     """One JSON line per `log_every` optimizer steps (loss, the strategy's figures, aux losses, lr,
-    grad norm, seconds), the validation figures (val_loss, val_<figure>) before the first step
-    (step 0, so a run can say how training moved them) and every `eval_every` steps; rank 0 writes,
-    all ranks compute. Every record also goes to the `sinks` (TensorBoard, W&B:
-    astrai.train.report)."""
+    grad norm, seconds), and whenever there is validation data, the validation figures (val_loss,
+    val_<figure>) before the first step (step 0, so a run can say how training moved them), every
+    `eval_every` steps and once at the end of a completed run (not twice when eval_every divides
+    the last step); rank 0 writes, all ranks compute. Every record also goes to the `sinks`
+    (TensorBoard, W&B: astrai.train.report)."""
 
     def __init__(self, path: Path, log_every: int, eval_every, sinks=()):
         self.path, self.log_every, self.eval_every, self.sinks = Path(path), log_every, eval_every, list(sinks)
         self._t = 0.0
+        self._validated_at = None
 
     def _write(self, trainer, rec: dict):
         trainer.state.history.append(rec)
@@ -108,13 +113,9 @@ class Metrics(Callback):
             for sink in self.sinks:
                 sink.write(rec)
 
-    def on_train_end(self, trainer):
-        for sink in self.sinks:
-            sink.close()
-
     def on_train_begin(self, trainer):
         if trainer.val_dataset is not None and trainer.state.global_step == 0:  # resumed: measured by then
-            self._write(trainer, {"step": 0, **trainer.evaluate()})  # every rank: evaluate sums across ranks
+            self._validate(trainer)
         self._t = time.perf_counter()
 
     def on_batch_end(self, trainer):
@@ -129,7 +130,21 @@ class Metrics(Callback):
             self._t = now
             self._write(trainer, rec)
         if self.eval_every and s.global_step % self.eval_every == 0:
-            self._write(trainer, {"step": s.global_step, **trainer.evaluate()})
+            self._validate(trainer)
+
+    def _validate(self, trainer):
+        self._validated_at = trainer.state.global_step
+        # every rank: evaluate sums across ranks
+        self._write(trainer, {"step": trainer.state.global_step, **trainer.evaluate()})
+
+    def on_train_end(self, trainer):
+        s = trainer.state
+        try:
+            if s.completed and trainer.val_dataset is not None and self._validated_at != s.global_step:
+                self._validate(trainer)
+        finally:
+            for sink in self.sinks:
+                sink.close()
 
 
 class ProgressBar(Callback):
