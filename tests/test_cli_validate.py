@@ -56,6 +56,23 @@ def test_deep_reports_rejects_and_trained_share(tmp_path, tiny_tokenizer, capsys
     assert "first 20 records: 15 kept, 0 filtered, 5 rejected" in out
     assert "rejected " in out and "trained share" in out
     assert not list(tmp_path.glob("out*"))  # nothing written next to the data
+    # the first rejects are shown located in the user's file (the temporary output is gone)
+    assert f"{data}:4: messages[0].role: role 'asistant'" in out and f"{data}:20:" in out
+    assert "/tmp" not in out.replace(str(tmp_path), "") and "rejects.jsonl" not in out
+
+
+def test_deep_when_nothing_is_kept_shows_why_and_keeps_the_rejects(tmp_path, tiny_tokenizer, capsys):
+    p = write_pipeline(tmp_path, tiny_tokenizer)
+    data = tmp_path / "d.jsonl"
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    data.write_text("".join(json.dumps(sharegpt) + "\n" for _ in range(8)))
+    keep = tmp_path / "rejects.jsonl"
+    assert main(["validate", str(p), "-i", str(data), "--deep", "--rejects", str(keep)]) == 1
+    out = capsys.readouterr().out
+    assert "first 8 records: 0 kept" in out and "a run would fail" in out
+    assert f"{data}:1: messages:" in out and "missing_field" in out and "3 more: all in" in out
+    kept = [json.loads(line) for line in keep.read_text().splitlines()]
+    assert [r["line"] for r in kept] == [str(i) for i in range(1, 9)] and kept[0]["record"] == sharegpt
 
 
 @pytest.mark.parametrize("bad,needle", [
