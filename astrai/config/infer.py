@@ -90,8 +90,9 @@ class GenerateOptions(BaseModel):
                                  "standard input")
     output: Optional[str] = Field(None, description="write JSONL results here, one line per request as it finishes "
                                   "(its index is the input's position); default: standard output")
-    as_json: bool = Field(False, description="JSONL on standard output even on a terminal (where --chat and "
-                          "--input print the conversations and answers as text)", json_schema_extra={"flag": "--json"})
+    as_json: bool = Field(False, description="flag --json: JSONL on standard output even on a terminal (where "
+                          "--chat and --input print the conversations and answers as text)",
+                          json_schema_extra={"flag": "--json"})
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=CLI_MAX_TOKENS))
     engine: EngineOptions = Field(default_factory=EngineOptions)
 
