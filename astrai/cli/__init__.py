@@ -132,6 +132,14 @@ def user_error_line(e: BaseException, where: str = ""):
     if isinstance(e, MemoryError) or _torch_out_of_memory(e):
         return ("error: out of memory" + (f": {_first_line(e)}" if str(e) else "")
                 + " (ask for less: smaller batches, kv cache or model, or a machine with more memory)")
+    # model files as the libraries that read them report them (astrai.model names most problems itself)
+    if type(e).__module__.split(".")[0] == "safetensors" or type(e).__name__ == "SafetensorError":
+        return (f"error: cannot read the checkpoint's weights ({_first_line(e)}); the .safetensors file is damaged "
+                f"or not one")
+    if isinstance(e, RuntimeError) and str(e).startswith("Error(s) in loading state_dict"):
+        detail = " ".join(str(e).split())
+        return (f"error: the checkpoint's tensors do not fit its config.json ({detail[:300]}"
+                + ("..." if len(detail) > 300 else "") + ")")
     if isinstance(e, ValidationError):  # options built in code from user values (flags, records)
         return "error: " + "; ".join(f"{'.'.join(map(str, err['loc'])) or 'options'}: {err['msg']}"
                                      for err in e.errors())
