@@ -108,6 +108,9 @@ def env(tmp_path_factory, tiny_tokenizer):
         shutil.copytree(good, d)
         man = json.loads((d / "manifest.json").read_text())
         change(man)
+        if isinstance(man.get("shards"), list) and set(man["shards"]) != set(man["shard_checks"]):  # checks kept in step, so the shard itself is what is refused
+            record = next(iter(man["shard_checks"].values()))
+            man["shard_checks"] = {s: record for s in man["shards"]}
         (d / "manifest.json").write_text(json.dumps(man))
         p[f"data_{name}"] = d
     p["data_list"] = t / "data_list"
@@ -130,7 +133,11 @@ def env(tmp_path_factory, tiny_tokenizer):
     p["train_plain_dir"] = train_yaml("plain_dir", data=str(p["a_dir"]))
     p["train_outside"] = train_yaml("outside", data=str(p["data_outside"]))
     p["train_output_file"] = train_yaml("output_file", output=str(p["a_file"]))
+    p["train_cuda"] = train_yaml("cuda", device="cuda")
     p["pipeline"] = ROOT / "pipelines" / "chatml_sft.yaml"
+    p["big_template"] = lines("big.jinja", raw="{{ 'a' * 3000000000 }}")
+    p["cut_weights"] = _checkpoint(t, "cut_weights")
+    (p["cut_weights"] / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:20])
     return p
 
 
@@ -201,18 +208,19 @@ CASES = [
      ["--output", "does not exist"]),
     ("output_under_a_file", gen("--prompt", "hi", "--output", "{a_file}/out.jsonl"), ["--output", "not a directory"]),
     ("checkpoint_missing", gen("--prompt", "hi", ckpt="{tmp}/no_ckpt"), ["no_ckpt"]),
+    ("checkpoint_weights_cut", gen("--prompt", "hi", ckpt="{cut_weights}"), ["safetensors"]),
     # data directories for eval and train
     ("eval_data_not_preprocessed", ["eval", "{ckpt}", "--data", "{a_dir}", "--device", "cpu"],
      ["a_dir", "no manifest.json"]),
     ("eval_data_is_a_file", ["eval", "{ckpt}", "--data", "{a_file}", "--device", "cpu"], ["a_file.txt", "not a directory"]),
     ("manifest_shard_outside", ["eval", "{ckpt}", "--data", "{data_outside}", "--device", "cpu"],
-     ["manifest.json", "outside", "refused"]),
+     ["manifest.json", "../../../etc/passwd", "not a .parquet file in"]),
     ("manifest_shard_absolute", ["eval", "{ckpt}", "--data", "{data_absolute}", "--device", "cpu"],
-     ["manifest.json", "/etc/hostname", "outside"]),
+     ["manifest.json", "/etc/hostname", "not a .parquet file in"]),
     ("manifest_shards_not_a_list", ["eval", "{ckpt}", "--data", "{data_shards_not_list}", "--device", "cpu"],
      ["manifest.json", "shards"]),
     ("manifest_shard_missing", ["eval", "{ckpt}", "--data", "{data_missing_shard}", "--device", "cpu"],
-     ["none.parquet", "no such file"]),
+     ["none.parquet", "No such file", "incomplete"]),
     ("manifest_position_mode", ["eval", "{ckpt}", "--data", "{data_bad_mode}", "--device", "cpu"],
      ["manifest.json", "position_ids_mode", "zigzag"]),
     ("manifest_without_tokenizer", ["eval", "{ckpt}", "--data", "{data_no_tokenizer}", "--device", "cpu"],
@@ -221,14 +229,16 @@ CASES = [
     ("manifest_not_json", ["eval", "{ckpt}", "--data", "{data_badjson}", "--device", "cpu"],
      ["manifest.json", "invalid JSON"]),
     ("shard_truncated", ["eval", "{ckpt}", "--data", "{data_cut_shard}", "--device", "cpu"],
-     ["parquet", "cannot read the shard"]),
+     ["packed-00000.parquet", "the manifest records"]),
     ("train_data_not_preprocessed", ["train", "{train_plain_dir}"], ["a_dir", "no manifest.json"]),
-    ("train_manifest_shard_outside", ["train", "{train_outside}"], ["manifest.json", "outside"]),
+    ("train_manifest_shard_outside", ["train", "{train_outside}"], ["manifest.json", "etc/passwd", "not a .parquet"]),
     ("train_output_is_a_file", ["train", "{train_output_file}"], ["a_file.txt", "is a file"]),
     # preprocess
     ("preprocess_template_is_a_directory", ["preprocess", "{pipeline}", "-i", "{chats}", "-o",
                                             "{tmp}/pre1", "--set", "chat_template={a_dir}", "--workers", "1"],
      ["chat_template", "a_dir", "is a directory"]),
+    ("preprocess_template_bomb", ["preprocess", "{pipeline}", "-i", "{chats}", "-o", "{tmp}/pre4", "--set",
+                                  "chat_template={big_template}", "--workers", "1"], ["big.jinja", "at most"]),
     ("preprocess_input_is_a_fifo", ["preprocess", "{pipeline}", "-i", "{fifo}", "-o", "{tmp}/pre2", "--workers", "1"],
      ["fifo.jsonl", "FIFO"]),
     ("preprocess_output_is_a_file", ["preprocess", "{pipeline}", "-i", "{chats}", "-o", "{a_file}"],
@@ -267,6 +277,8 @@ def test_device_cuda_without_a_gpu(env, capsys):
         pytest.skip("this machine has a GPU")
     line = one_error_line(main(fill(gen("--prompt", "hi", "--device", "cuda"), env)), capsys.readouterr())
     assert "--device cuda" in line and "--device cpu" in line
+    line = one_error_line(main(["train", str(env["train_cuda"])]), capsys.readouterr())
+    assert "device: cuda" in line and "device: cpu" in line
 
 
 def test_a_disk_full_while_writing_shards_names_it(env, capsys, monkeypatch, tiny_tokenizer):

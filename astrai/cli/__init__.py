@@ -132,6 +132,9 @@ def user_error_line(e: BaseException, where: str = ""):
     if isinstance(e, MemoryError) or _torch_out_of_memory(e):
         return ("error: out of memory" + (f": {_first_line(e)}" if str(e) else "")
                 + " (ask for less: smaller batches, kv cache or model, or a machine with more memory)")
+    text = str(e)
+    if "not compiled with CUDA" in text or "no CUDA GPUs are available" in text or "Found no NVIDIA driver" in text:
+        return f"error: a CUDA device was asked for, but {_first_line(e)}; use device cpu (or auto)"
     # model files as the libraries that read them report them (astrai.model names most problems itself)
     if type(e).__module__.split(".")[0] == "safetensors" or type(e).__name__ == "SafetensorError":
         return (f"error: cannot read the checkpoint's weights ({_first_line(e)}); the .safetensors file is damaged "

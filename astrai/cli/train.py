@@ -56,6 +56,12 @@ def run(args) -> int:
     if opts.data is None:
         raise ConfigError(args.config, [Problem("data", "data is required (a preprocessed directory)")])
     args.output = opts.output  # named by astrai.cli.main when the disk fills up there
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"{args.config}: device: cuda, but " + ("this torch is built without CUDA"
+                             if torch.version.cuda is None else "no CUDA device is visible") + "; use device: cpu or auto")
     if Path(opts.output).exists() and not Path(opts.output).is_dir():
         raise InputError(f"{args.config}: output {opts.output} is a file, not a directory; give a directory "
                          f"(checkpoints/ and final/ are written there)")
