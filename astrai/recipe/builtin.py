@@ -52,7 +52,7 @@ def _train_kind() -> StageKind:
         literals={"model": tuple(PRESETS)},
         code=("astrai.train", "astrai.model", "astrai.recipe.train_stage"), describe=describe_train,
         check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop"),
-        stamped=("final",), growable=GROWABLE, continues=continues_train)
+        stamped=("final",), unstamped=("eval.json",), growable=GROWABLE, continues=continues_train)
 
 
 def _eval_kind() -> StageKind:

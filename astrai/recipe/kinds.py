@@ -19,7 +19,8 @@ plus the facts that let `astrai run` chain stages without knowing them:
   (e.g. the files of the tokenizer a pipeline names), added to the fingerprint;
 - `figures`: metric keys shown in the end-of-run table;
 - `stamped`: the parts of its output that are its product (default: all of it), stamped when the
-  stage finishes; a stage whose product changed by hand since is not up to date;
+  stage finishes; a stage whose product changed by hand since is not up to date; `unstamped`: file
+  names in it that other tools write beside the product (astrai eval's eval.json beside a model);
 - `growable` + `continues(old_options, new_options)`: options that may grow without starting over
   (a train stage's max_steps/epochs): when nothing else changed and `continues` agrees, the stage's
   replacement starts from a copy of its previous output (ctx.resume) instead of from scratch.
@@ -70,6 +71,7 @@ class StageKind:
     extra: Optional[Extra] = None
     figures: tuple[str, ...] = ()
     stamped: tuple[str, ...] = ()
+    unstamped: tuple[str, ...] = ()
     growable: tuple[str, ...] = ()
     continues: Optional[Callable[[dict, BaseModel], bool]] = None
 

@@ -46,6 +46,7 @@ LOCK = ".lock"
 RUN_MARKER = ".astrai-run"
 NEXT = OUTPUT + ".next"
 ASIDE = "." + OUTPUT + ".replaced"
+Stamp = tuple[tuple[str, ...], tuple[str, ...]]  # StageKind.stamped, StageKind.unstamped
 
 
 class RunDirError(RuntimeError):
@@ -105,19 +106,20 @@ class StageDir:
     def write_state(self, state: dict) -> None:
         write_json(self.root / STATE, state)
 
-    def changed(self, parts: tuple[str, ...] = ()) -> Optional[str]:
-        """What differs in the output from the stamp recorded when it was made (None: nothing)."""
+    def changed(self, stamp: Stamp = ((), ())) -> Optional[str]:
+        """What differs in the output from the stamp recorded when it was made (None: nothing).
+        `stamp`: (the parts of the output stamped, file names left out), from the stage's kind."""
         from astrai.recipe.fingerprint import output_changes
 
         state = self.state() or {}
         if "output_stamp" not in state:
             return "no record of the output (made by an older astrai)"
-        return output_changes(self.output, parts, state["output_stamp"])
+        return output_changes(self.output, stamp[0], state["output_stamp"], stamp[1])
 
-    def is_current(self, fingerprint: str, parts: tuple[str, ...] = ()) -> bool:
+    def is_current(self, fingerprint: str, stamp: Stamp = ((), ())) -> bool:
         state = self.state()
         return bool(state and state.get("status") == "done" and state.get("fingerprint") == fingerprint
-                    and self.output.exists() and self.changed(parts) is None)
+                    and self.output.exists() and self.changed(stamp) is None)
 
     def clear_output(self) -> None:
         """Remove an output the runner made for other options (stage.json is the proof it is ours)."""
@@ -149,7 +151,7 @@ class StageDir:
     def drop_replaced(self) -> None:
         shutil.rmtree(self.root / ASIDE, ignore_errors=True)
 
-    def recover(self, parts: tuple[str, ...] = ()) -> None:
+    def recover(self, stamp: Stamp = ((), ())) -> None:
         """Undo what a kill during `swap_in_next` left: the old output aside and no output (put it
         back), or both (the state written last tells which one it records: keep that one)."""
         aside = self.root / ASIDE
@@ -157,7 +159,7 @@ class StageDir:
             return
         if not self.output.exists():
             os.replace(aside, self.output)
-        elif self.changed(parts) is None:  # the state was written: the swap was complete
+        elif self.changed(stamp) is None:  # the state was written: the swap was complete
             shutil.rmtree(aside)
         else:  # the state still records the old output: the new one goes back to output.next
             shutil.rmtree(self.next, ignore_errors=True)

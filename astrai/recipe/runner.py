@@ -112,7 +112,7 @@ class Runner:
         if state is None or state.get("status") != "done":
             problems.append(Problem(flag, f"'{stage.name}' has no finished output in {sd.root}, and it is not "
                                           f"selected to run; run from '{stage.name}' (--from {stage.name})"))
-        elif not sd.is_current(self.fingerprint(stage), self.kinds[stage.kind].stamped):
+        elif not sd.is_current(self.fingerprint(stage), _stamp(self.kinds[stage.kind])):
             problems.append(Problem(flag, f"'{stage.name}' is out of date (its options, code or inputs changed), "
                                           f"and it is not selected to run; run from '{stage.name}' "
                                           f"(--from {stage.name})"))
@@ -124,7 +124,7 @@ class Runner:
         self.run_dir.claim(self.recipe.name)
         with self.run_dir.lock():
             for stage in self.recipe.stages:  # a swap a kill interrupted is put in order first
-                self.run_dir.stage(stage.name).recover(self.kinds[stage.kind].stamped)
+                self.run_dir.stage(stage.name).recover(_stamp(self.kinds[stage.kind]))
             self.check_unselected_inputs(selected)
             rows: list[dict] = []
             started = time.time()
@@ -158,8 +158,11 @@ class Runner:
         state = sd.state() or {}
         done = state.get("status") == "done" and sd.output.exists()
         if not force and done and state.get("fingerprint") == fp:
-            change = sd.changed(kind.stamped)
+            change = sd.changed(_stamp(kind))
             if change is None:
+                if "pending" in state:  # a replacement for options given up since: no longer wanted
+                    sd.clear_next()
+                    sd.write_state({k: v for k, v in state.items() if k != "pending"})
                 self.log(f"[{stage.name}] up to date (fingerprint {fp[:12]}): skipped")
                 return self._row(stage, "skipped", None)
             self.log(f"[{stage.name}] its output changed since it was made ({change}): running it again")
@@ -241,7 +244,7 @@ class Runner:
         return {**base, "status": "done", "seconds": seconds, "finished": time.time(),
                 "output_id": uuid.uuid4().hex, "resumed": resumed,
                 "base_fingerprint": self.fingerprint(stage, kind.growable),
-                "output_stamp": fpr.output_stamp(output, kind.stamped)}
+                "output_stamp": fpr.output_stamp(output, kind.stamped, kind.unstamped)}
 
     def _call(self, stage: StageSpec, sd: StageDir, output: Path, resume: bool) -> dict:
         kind = self.kinds[stage.kind]
@@ -299,6 +302,10 @@ def _as_list(value) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
+
+
+def _stamp(kind: StageKind) -> tuple:
+    return kind.stamped, kind.unstamped
 
 
 def _link_copy(src: Path, dst: Path):

@@ -154,6 +154,16 @@ def test_ctrl_c_during_a_replacement_keeps_the_last_output_and_the_rerun_resumes
         "stages"][2]["metrics"]["train_loss"]
 
 
+def test_a_replacement_given_up_is_cleared_when_the_old_options_come_back(run):
+    run()
+    with pytest.raises(KeyboardInterrupt):
+        run(overrides=["fit.lr=0.25", "fit.stop_at=2"])
+    assert (run.root / "fit" / "output.next").exists()
+    assert statuses(run())["fit"] == "skipped"  # the previous options again: the kept output is current
+    assert not (run.root / "fit" / "output.next").exists()
+    assert "pending" not in json.loads((run.root / "fit" / "stage.json").read_text())
+
+
 def test_a_kill_during_the_swap_is_put_in_order(run, calls, monkeypatch):
     run()
     real = os.replace
@@ -217,3 +227,20 @@ def test_a_kill_after_the_swap_is_put_in_order(run, calls, monkeypatch, crash_in
     assert statuses(s)["fit"] == ("replaced" if crash_in == "_write_metrics" else "skipped")
     assert s["stages"][2]["metrics"]["train_loss"] == run(overrides=["fit.lr=0.25"], force=True)[
         "stages"][2]["metrics"]["train_loss"]
+
+
+def test_a_report_written_beside_a_model_is_not_a_change_of_the_model(tmp_path):
+    from astrai.recipe.fingerprint import output_changes, output_stamp
+
+    out = tmp_path / "output"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"weights")
+    (out / "metrics.jsonl").write_text("{}\n")  # outside the stamped part: may change freely
+    rec = output_stamp(out, ("final",), ("eval.json",))
+    assert list(rec) == ["final/model.safetensors"]
+    (out / "final" / "eval.json").write_text("{}")  # astrai eval's default report
+    (out / "metrics.jsonl").write_text("{}\n{}\n")
+    assert output_changes(out, ("final",), rec, ("eval.json",)) is None
+    assert output_changes(out, ("final",), rec) == "final/eval.json was added"
+    (out / "final" / "model.safetensors").write_bytes(b"weightz")
+    assert output_changes(out, ("final",), rec, ("eval.json",)) == "final/model.safetensors was changed"
