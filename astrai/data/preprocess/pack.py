@@ -22,7 +22,7 @@ from astrai.data.packing import plan_bins
 from astrai.data.preprocess.job import Job, Worker
 from astrai.data.preprocess.shards import Intermediate
 from astrai.data.read import Partition
-from astrai.data.write import ShardWriter, rows_columns, trained_count
+from astrai.data.write import ShardWriter, rows_columns, table_of, trained_count
 from astrai.runtime import atomic_write_text, read_marker, run_tasks
 from astrai.schema import INPUT_IDS, LABELS
 
@@ -101,8 +101,6 @@ def write_packed_shard(worker: Worker, task: ShardTask):
     """Gather and write the shard a row group at a time: memory is one row group's tokens (the
     pieces read with pread, then their columns), whatever the shard's or the input's size. Row
     groups are the ones a single write of the whole table would make (row_group_rows bins each)."""
-    import pyarrow as pa
-
     job = worker.job
     o = job.pipeline.output
     parts: dict[int, Intermediate] = {}
@@ -130,7 +128,7 @@ def write_packed_shard(worker: Worker, task: ShardTask):
             cols = rows_columns(ids_out, lab_out if has_labels else None, task.piece_len[p0:p1],
                                 task.bin_offsets[b0:b1 + 1] - p0, o.position_ids_mode, packed=True)
             del ids_out, lab_out
-            table = pa.table(cols)
+            table = table_of(cols)
             trained += trained_count(table)
             w.write(table)
             del cols, table
