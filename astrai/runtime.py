@@ -44,18 +44,21 @@ def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def atomic_write_bytes(path: Path, data: bytes):
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True):
+    """durable=False skips the fsync: for a file that only saves work (a cache its reader can
+    recompute), where a power loss may lose it but a killed process never does."""
     path = Path(path)
     tmp = tmp_name(path)
     with open(tmp, "wb") as fh:
         fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
-def atomic_write_text(path: Path, text: str):
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str, durable: bool = True):
+    atomic_write_bytes(path, text.encode("utf-8"), durable)
 
 
 def remove_stale_tmp(folder: Path):

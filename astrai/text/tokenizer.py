@@ -111,7 +111,10 @@ class Tokenizer:
         return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
 
 
-def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> Tokenizer:
+def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None, added_tokens=()) -> Tokenizer:
+    """The tokenizer directory `spec` names, as transformers loads it, plus `added_tokens` (a
+    pipeline's) as special tokens where missing: the same tokenizer as with_added_tokens gives, without
+    its copy (serializing and re-parsing a 129k vocabulary costs more than loading it)."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -154,6 +157,9 @@ def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> T
             special_map[key] = text
             if tok.token_to_id(text) is None:
                 tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+    missing = [t for t in added_tokens if tok.token_to_id(t) is None]
+    if missing:  # as with_added_tokens adds them
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
     chat_template = None
     if (path / "chat_template.jinja").exists():
