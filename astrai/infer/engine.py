@@ -95,7 +95,8 @@ class Engine:
         kv = KVStorage(c.num_hidden_layers, num_pages * o.page_size, c.num_key_value_heads, c.head_dim, dtype, self.device)
         self.pool = PagePool(num_pages, o.page_size, o.max_running,
                              min(num_pages * o.page_size, c.max_position_embeddings), o.prefix_cache, self.device)
-        self.backend = select_backend(self.device, dtype)(kv.k_cache, kv.v_cache)
+        self.model.reserve_positions(self.pool.max_context)  # fused RoPE kernels read the table unchecked
+        self.backend = select_backend(self.device, dtype, c)(kv.k_cache, kv.v_cache)
         self.scheduler = Scheduler(self.pool, o.max_running, o.max_step_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
         self.stats = EngineStats()

@@ -4,7 +4,9 @@ Fused in-place RoPE, a scatter KV write, ragged paged prefill and split-KV paged
 engine's paged cache and AttentionMeta directly (no gather of K/V into a dense copy). Chosen
 automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there; a
 head_dim the kernels do not serve (not a multiple of 8, or above 256) raises BackendUnavailable
-when the backend is built, with the way out.
+when the backend is built, with the way out. The kernels take each layer's softmax scale; they do
+not compute sliding windows, so `serves` refuses a model with sliding-window layers (Mistral,
+Qwen2/3 with use_sliding_window, Gemma 3) and the engine picks the torch backend for it.
 """
 
 from __future__ import annotations
@@ -45,14 +47,29 @@ class CudaBackend(AttentionBackend):
             return False, "torch sees no CUDA device"
         return True, ""
 
+    @classmethod
+    def serves(cls, config) -> tuple[bool, str]:
+        if config.has_sliding_layers:
+            return False, (f"the cuda kernels do not compute sliding-window attention (sliding_window "
+                           f"{config.sliding_window} in a {config.architecture})")
+        return True, ""
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
         return self.ops.rotary(q, k, positions, rope)
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.ops.write_kv(layer, k, v, slots)
 
-    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        return self.ops.prefill(layer, q, meta)
+    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window=None, scale=None) -> torch.Tensor:
+        _no_window(window)
+        return self.ops.prefill(layer, q, meta, scale)
 
-    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        return self.ops.decode(layer, q, meta)
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window=None, scale=None) -> torch.Tensor:
+        _no_window(window)
+        return self.ops.decode(layer, q, meta, scale)
+
+
+def _no_window(window):
+    if window is not None:  # select_backend never picks this backend for such a model (serves)
+        raise BackendUnavailable(f"the cuda kernels do not compute sliding-window attention (window {window}); "
+                                 f"use {ENV_VAR}=torch")
