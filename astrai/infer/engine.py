@@ -106,19 +106,13 @@ class Engine:
     @classmethod
     def from_checkpoint(cls, path: Union[str, Path], options: Optional[EngineOptions] = None) -> "Engine":
         """A checkpoint directory: config.json + safetensors (+ tokenizer files, generation_config.json)."""
-        import json
-
         from astrai.text.tokenizer import load_tokenizer
-        from astrai.model.hf_checkpoint import load_model
+        from astrai.model.hf_checkpoint import eos_token_ids, load_model
 
         path = Path(path)
         model = load_model(path)
         tokenizer = load_tokenizer(str(path)) if (path / "tokenizer.json").exists() else None
-        eos = []
-        for name in ("config.json", "generation_config.json"):
-            if (path / name).exists():
-                e = json.loads((path / name).read_text()).get("eos_token_id")
-                eos += e if isinstance(e, list) else [e] if e is not None else []
+        eos = eos_token_ids(path, model.config)
         return cls(model, tokenizer, options, eos)
 
     # ---- requests ----

@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from astrai.model import CausalLM, ModelConfig, load_model, save_model
+from astrai.model.checkpoint_files import read_json
 from astrai.model.config import PRESETS
+from astrai.model.weights import check_fits_memory
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import finish, full_model_state, setup, teardown
 from astrai.config.train import TrainOptions
@@ -36,12 +38,12 @@ def build_model(spec: str, data: TrainData, seed: int) -> CausalLM:
         return CausalLM(ModelConfig.preset(spec, vocab_size=vocab, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                                            pad_token_id=None))
     path = Path(spec)
-    if path.is_dir() and ((path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()):
+    if path.is_dir():  # load_model refuses what it cannot read (pickles, bad files) with the reason
         return load_model(path, dtype=torch.float32)
-    if path.is_file() and path.suffix == ".json":
-        import json
-
-        return CausalLM(ModelConfig.from_hf(json.loads(path.read_text())))
+    if path.suffix == ".json" and path.exists():
+        config = ModelConfig.from_hf(read_json(path, "config.json"), str(path))
+        check_fits_memory(config, torch.float32, str(path))  # before allocating fresh weights
+        return CausalLM(config)
     raise TrainConfigError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}), a config.json, "
                            f"or a checkpoint directory with model.safetensors")
 

@@ -9,7 +9,7 @@ import torch
 
 from families import CASES, SLIDING, WINDOW, hf_logits, hf_model
 
-from astrai.model import CausalLM, load_model, save_model
+from astrai.model import CausalContext, CausalLM, load_model, save_model
 from astrai.model.weights import expected_shapes
 
 transformers = pytest.importorskip("transformers")
@@ -125,9 +125,50 @@ def test_fresh_model_of_each_family_round_trips(family, tmp_path):
     fresh = CausalLM(config).eval()
     save_model(fresh, tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    from astrai.model import CausalContext
-
     ids = torch.tensor(_doc(12, 20))
     with torch.no_grad():
         got = fresh.logits(fresh(ids, torch.arange(20), CausalContext()))
     torch.testing.assert_close(got, hf_logits(back, ids.tolist()), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory, tiny_tokenizer):
+    from pathlib import Path
+
+    from astrai.config import load_pipeline
+    from astrai.data.preprocess import run_preprocess
+
+    tmp = tmp_path_factory.mktemp("family-sft")
+    chats = [{"messages": [{"role": "user", "content": f"how are you today number {i}"},
+                           {"role": "assistant", "content": "fine thanks " * (3 + i % 5)}]} for i in range(12)]
+    (tmp / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "chatml_sft.yaml")
+    run_preprocess(pipeline, [str(tmp / "chats.jsonl")], str(tmp / "data"), tokenizer=str(tiny_tokenizer), workers=1,
+                   log=lambda s: None)
+    return tmp / "data"
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_moe"])
+def test_sft_from_a_family_checkpoint_stays_that_family(name, sft_data, tmp_path):
+    """Fine-tuning a transformers checkpoint: windows, Gemma's scale and soft-capped loss, MoE routing train;
+    the result is still the same architecture and loads in transformers with equal logits."""
+    from astrai.config.train import TrainOptions
+    from astrai.train.run import run_train
+
+    hf = hf_model(name, vocab_size=512)
+    hf.save_pretrained(tmp_path / "base")
+    res = run_train(TrainOptions(data=str(sft_data), output=str(tmp_path / "run"), model=str(tmp_path / "base"),
+                                 batch_size=1, max_steps=6, epochs=20, lr=3e-3, progress=False, strategy="sft"))
+    assert res["steps"] == 6 and res["stopped"] is None
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert losses[-1] < losses[0]
+    final = tmp_path / "run" / "final"
+    assert json.loads((final / "config.json").read_text())["architectures"] == [type(hf).__name__]
+    back = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ours = load_model(final).eval()
+    ids = _doc(13, 24, vocab=512)
+    with torch.no_grad():
+        got = ours.logits(ours(torch.tensor(ids), torch.arange(24), CausalContext()))
+    torch.testing.assert_close(got, hf_logits(back, ids), atol=1e-4, rtol=0)
+    assert not torch.allclose(hf_logits(back, ids), hf_logits(hf, ids), atol=1e-3)  # it did train
