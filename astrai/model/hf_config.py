@@ -204,6 +204,8 @@ def _windows(d: dict, family: str, r: _Reader, layers: int) -> dict:
         return {}
     if family in ("qwen2", "qwen3", "qwen3_moe") and not r.flag("use_sliding_window", False):
         return {}
+    if family == "gemma3_text" and "sliding_window" in d and d["sliding_window"] is None:
+        r.fail("sliding_window", "null: Gemma 3's local layers need a window")
     window = r.int("sliding_window", r.defaults.get("sliding_window"), nullable=True)
     if window is None or family in ("mistral", "mixtral", "qwen3_moe"):
         return dict(sliding_window=window)  # every layer (these classes ignore layer_types)

@@ -97,9 +97,11 @@ def test_engine_logits_and_greedy_equal_transformers(family, chunked):
                           use_cache=True)[0, len(p):].tolist()
         assert out.token_ids == ref
     assert len(seen) == 2 * NEW
+    fulls = [p + o.token_ids for p, o in zip(prompts, outs)]
+    refs = [hf_logits(hf, f) for f in fulls]  # causal: position i's logits see tokens <= i only
     for tokens, row in seen:
-        full = next(p + o.token_ids for p, o in zip(prompts, outs) if (p + o.token_ids)[:len(tokens)] == tokens)
-        torch.testing.assert_close(row, hf_logits(hf, full)[len(tokens) - 1], atol=1e-4, rtol=0)
+        i = next(i for i, f in enumerate(fulls) if f[:len(tokens)] == tokens)
+        torch.testing.assert_close(row, refs[i][len(tokens) - 1], atol=1e-4, rtol=0)
 
 
 def test_saved_by_astrai_loads_in_transformers_as_the_same_family(family, tmp_path):
