@@ -20,7 +20,7 @@ from its steps).
   proof a directory is ours), `output_lock` (flock on the directory: one writer, gone with the
   process), `inside_output` (inputs are never read from an output).
 - `file_identity`: size/mtime/inode before and after reading, so a changed input is detected.
-- `Progress`: a bar on a terminal, a plain line every few seconds otherwise.
+- `Progress`: a tqdm bar on a terminal, a plain line every few seconds otherwise.
 - workers exit when their parent dies (they poll getppid), instead of hanging.
 
 NOTE: this module imports nothing from astrai: every layer may use it.
@@ -263,12 +263,12 @@ PROGRESS_EVERY_S = 5.0  # how often a plain progress line is printed when not on
 
 
 class Progress:
-    """Progress of a long run, shared by stages (preprocess today; train/eval/generate later).
+    """Progress of a long run, shared by stages: one mechanism, two outputs.
 
-    On a terminal: one bar redrawn in place (units done of total, counts, rate, ETA), at most ten
-    times a second. Otherwise (a log file, CI): a plain line every PROGRESS_EVERY_S seconds, so logs
-    stay readable. `counts` are whatever the stage counts (records, tokens); the rate and ETA are
-    per unit of `what` (partitions, steps)."""
+    On a terminal: a tqdm bar (units done of total, rate, ETA) with the stage's counts after it.
+    Otherwise (a log file, CI): a plain line every PROGRESS_EVERY_S seconds and at the end, so
+    logs stay readable. `counts` are whatever the stage counts (records, tokens); the rate and ETA
+    are per unit of `what` (partitions, steps)."""
 
     def __init__(self, total: int, what: str, stream: Optional[TextIO] = None, clock=None):
         import sys
@@ -277,46 +277,46 @@ class Progress:
         self.total, self.what = total, what
         self.stream = stream if stream is not None else sys.stderr
         self.clock = clock or time.monotonic
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.done = 0
         self.counts: dict[str, int] = {}
         self.start = self.last = self.clock()
-        self.every = 0.1 if self.tty else PROGRESS_EVERY_S
+        self.bar = None
+        if getattr(self.stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit=" " + what, file=self.stream, dynamic_ncols=True, mininterval=0.1)
 
     def update(self, units: int = 1, **counts: int):
         self.done += units
         for k, v in counts.items():
             self.counts[k] = self.counts.get(k, 0) + int(v)
         now = self.clock()
-        if now - self.last >= self.every or self.done == self.total:
+        if self.bar is not None:
+            self.bar.set_postfix_str(self._counts(now), refresh=False)
+            self.bar.update(units)
+        elif now - self.last >= PROGRESS_EVERY_S or self.done == self.total:
             self.last = now
-            self._show(now)
+            self.stream.write(f"progress: {self.line(now)}\n")
+            self.stream.flush()
+
+    def _counts(self, now: float) -> str:
+        elapsed = max(now - self.start, 1e-9)
+        counts = "  ".join(f"{v:,} {k}" for k, v in self.counts.items())
+        per_s = "  ".join(f"{v / elapsed:,.0f} {k}/s" for k, v in self.counts.items())
+        return f"{counts}  {per_s}".strip()
 
     def line(self, now: Optional[float] = None) -> str:
         now = self.clock() if now is None else now
         elapsed = max(now - self.start, 1e-9)
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else None
-        counts = "  ".join(f"{v:,} {k}" for k, v in self.counts.items())
-        per_s = "  ".join(f"{v / elapsed:,.0f} {k}/s" for k, v in self.counts.items())
-        return (f"{self.done}/{self.total} {self.what}  {counts}  {per_s}  elapsed {_clock(elapsed)}"
+        return (f"{self.done}/{self.total} {self.what}  {self._counts(now)}  elapsed {_clock(elapsed)}"
                 + (f"  ETA {_clock(eta)}" if eta is not None and self.done < self.total else ""))
 
-    def _show(self, now: float):
-        text = self.line(now)
-        if self.tty:
-            width = 24
-            filled = int(width * self.done / self.total) if self.total else width
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\x1b[K"
-                              + ("\n" if self.done == self.total else ""))
-        else:
-            self.stream.write(f"progress: {text}\n")
-        self.stream.flush()
-
     def close(self):
-        if self.tty and self.done < self.total:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _clock(seconds: float) -> str:

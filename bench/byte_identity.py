@@ -1,4 +1,4 @@
-"""Output byte identity: sha256 of every file `astrai preprocess` writes, over every packing strategy
+"""Output identity: sha256 of every file `astrai preprocess` writes, over every packing strategy
 x position mode, plus plain text, DPO, GRPO and a run with rejects, on the bundled sample.
 
     python bench/byte_identity.py --write tests/byte_identity.json   # record (on the commit you trust)
@@ -11,8 +11,13 @@ derived from it deterministically. Partitions, shards and row groups are made sm
 several of each are written (the shard names, the row-group boundaries and the global packing
 across partitions are all in the bytes).
 
-The manifest holds the tokenizer's absolute path, which depends on where the venv lives; that
-string is replaced by `<tokenizer>` before hashing, nothing else. The fingerprint inside the
+A Parquet file is hashed by what it holds, not by its bytes: its footer names the writing library
+and version ("parquet-cpp-arrow version X"), so a pyarrow upgrade would change every byte digest
+with no change of ours. Its digest covers the column names and types, the rows in each row group
+(astrai's own layout) and every value; JSON files (manifest, stats, rejects) and the ownership
+marker are astrai's own text and are hashed as bytes. The manifest holds the tokenizer's absolute
+path, which depends on where the venv lives; that string is replaced by `<tokenizer>` before
+hashing, nothing else. The fingerprint inside the
 manifest covers the astrai version string (not a hash of the code), the pipeline, the tokenizer
 files, the template source and the input bytes: a refactor that keeps the version keeps it.
 """
@@ -87,11 +92,47 @@ def make_inputs(folder: Path):
 def digests(out: Path, tokenizer_path: str) -> dict[str, str]:
     res = {}
     for f in sorted(p for p in out.rglob("*") if p.is_file()):
+        if f.suffix == ".parquet":
+            res[str(f.relative_to(out))] = parquet_digest(f)
+            continue
         data = f.read_bytes()
         if f.name == "manifest.json":
             data = data.replace(json.dumps(tokenizer_path).encode(), b'"<tokenizer>"')
         res[str(f.relative_to(out))] = hashlib.sha256(data).hexdigest()
     return res
+
+
+def parquet_digest(path: Path) -> str:
+    """sha256 of a Parquet file's content: schema (names, types), rows per row group, and the values
+    of every column, independent of the library that wrote it (its name and version sit in the footer)."""
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(path)
+    h = hashlib.sha256()
+    h.update(str([(field.name, str(field.type)) for field in f.schema_arrow]).encode())
+    h.update(str([f.metadata.row_group(i).num_rows for i in range(f.num_row_groups)]).encode())
+    table = f.read()
+    for name in table.column_names:
+        h.update(name.encode() + b"\0")
+        _hash_values(h, table.column(name).combine_chunks())
+    return h.hexdigest()
+
+
+def _hash_values(h, arr):
+    """Feed an Arrow array's values to h: validity, list lengths, then the flattened values."""
+    import numpy as np
+    import pyarrow as pa
+
+    h.update(str(arr.type).encode() + len(arr).to_bytes(8, "little"))
+    if arr.null_count:
+        h.update(np.asarray(arr.is_null(), dtype=np.uint8).tobytes())
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        h.update(np.asarray(arr.value_lengths().fill_null(-1), dtype=np.int64).tobytes())
+        _hash_values(h, arr.flatten())
+    elif pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
+        h.update(np.asarray(arr.fill_null(0) if arr.null_count else arr).tobytes())
+    else:  # strings and anything else: their Python values
+        h.update(json.dumps(arr.to_pylist(), ensure_ascii=False, default=str).encode())
 
 
 @contextlib.contextmanager

@@ -36,14 +36,16 @@ def test_validate_ok_and_errors(tmp_path, capsys):
 def test_validate_recipe_checks_its_pipeline(tmp_path, capsys):
     (tmp_path / "p.yaml").write_text("version: 1\ninput: {sections: [{field: text, acton: train}]}\n")
     r = tmp_path / "r.yaml"
-    r.write_text("version: 1\npreprocess: {pipeline: p.yaml, inputs: [a.jsonl], output: o}\n")
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    r.write_text("version: 1\nstages:\n  preprocess: {pipeline: p.yaml, inputs: [a.jsonl], tokenizer: .}\n")
     assert main(["validate", str(r)]) == 1
     assert "did you mean 'action'" in capsys.readouterr().out
 
 
 def test_missing_pipeline_or_file_is_reported_not_a_traceback(tmp_path, capsys):
     r = tmp_path / "r.yaml"
-    r.write_text("version: 1\npreprocess: {pipeline: nope.yaml, inputs: [a.jsonl], output: o}\n")
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    r.write_text("version: 1\nstages:\n  preprocess: {pipeline: nope.yaml, inputs: [a.jsonl], tokenizer: .}\n")
     assert main(["validate", str(r)]) == 1
     assert "nope.yaml" in capsys.readouterr().out
     assert main(["run", str(r)]) == 1
@@ -89,38 +91,37 @@ def test_data_imports_without_torch(tmp_path):
     assert r.stdout.strip() == "ok"
 
 
-def test_run_drives_the_stages_of_the_registry(tmp_path, monkeypatch, capsys):
-    # A stage plugs in as an options model, a run function and one registry entry; `astrai run`
-    # validates its block with the model and calls it in registry order, knowing nothing else.
-    import dataclasses
+def test_a_stage_kind_plugs_in_with_one_registry_entry(tmp_path, monkeypatch, capsys):
+    # A new kind is one module (its StageKind) plus one registry entry; `astrai run` validates its
+    # block with the kind's options model and runs it in recipe order, knowing nothing else about it.
     import types
 
-    import astrai.config.recipe as recipe_mod
     from astrai.config import STAGES, Stage, StrictModel
+    from astrai.recipe.kinds import StageKind
 
     class EchoOptions(StrictModel):
         message: str
         times: int = 1
 
     calls = []
+
+    def run_echo(ctx):
+        calls.append((ctx.name, ctx.options))
+        (ctx.output / "echo.txt").write_text(ctx.options.message * ctx.options.times)
+        return {"said": ctx.options.times}
+
     fake = types.ModuleType("fake_stage_module")
-    fake.run_pre = lambda options, ctx: calls.append(("preprocess", options.output, ctx.recipe_dir)) or "shards/"
-    fake.run_echo = lambda options, ctx: calls.append(("echo", options, ctx.recipe_dir, dict(ctx.outputs)))
+    fake.ECHO = StageKind("echo", EchoOptions, run_echo, produces="report", figures=("said",))
     monkeypatch.setitem(sys.modules, "fake_stage_module", fake)
-    monkeypatch.setitem(STAGES, "preprocess", dataclasses.replace(STAGES["preprocess"], run="fake_stage_module:run_pre"))
-    monkeypatch.setitem(STAGES, "echo", Stage("echo", "say something", EchoOptions, "fake_stage_module:run_echo"))
-    monkeypatch.setattr(recipe_mod, "Recipe", recipe_mod.recipe_model(STAGES))
-
-    (tmp_path / "p.yaml").write_text("version: 1\ninput: {sections: [{field: text}]}\n")
+    monkeypatch.setitem(STAGES, "echo", Stage("echo", "say something", recipe_kind="fake_stage_module:ECHO"))
     r = tmp_path / "r.yaml"
-    r.write_text("version: 1\necho: {message: hi, times: 2}\npreprocess: {pipeline: p.yaml, inputs: [a], output: o}\n")
+    r.write_text(f"version: 1\nrun_dir: {tmp_path / 'run'}\nstages:\n  hello: {{kind: echo, message: hi, times: 2}}\n")
     assert main(["run", str(r)]) == 0
-    assert [c[0] for c in calls] == ["preprocess", "echo"]  # registry order, not file order
-    assert isinstance(calls[1][1], EchoOptions) and calls[1][1].times == 2 and calls[1][2] == tmp_path
-    assert calls[1][3] == {"preprocess": "shards/"}  # what earlier stages wrote
-    assert "[echo] done" in capsys.readouterr().out
+    assert [(n, o.times) for n, o in calls] == [("hello", 2)]
+    assert (tmp_path / "run" / "hello" / "output" / "echo.txt").read_text() == "hihi"
+    assert "said 2" in capsys.readouterr().out
 
-    r.write_text("version: 1\necho: {mesage: hi}\npreprocess: {pipeline: p.yaml, inputs: [a], output: o}\n")
+    r.write_text("version: 1\nstages:\n  hello: {kind: echo, mesage: hi}\n")
     calls.clear()
-    assert main(["run", str(r)]) == 1 and calls == []  # checked by the stage's model before anything runs
+    assert main(["run", str(r)]) == 1 and calls == []  # checked by the kind's model before anything runs
     assert "did you mean 'message'" in capsys.readouterr().err

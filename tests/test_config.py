@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from astrai.config import ConfigError, Pipeline, Recipe, load_any, load_pipeline, load_recipe, parse_set
+from astrai.config import ConfigError, Pipeline, load_any, load_pipeline, parse_set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -154,15 +154,46 @@ def test_yaml_cannot_construct_python_objects(tmp_path):
 
 
 def test_recipe_train_block_is_validated(tmp_path):
+    from astrai.recipe.command import load_recipe_spec
+
     write(tmp_path, "version: 1\ninput: {sections: [{field: text}]}\n", "pipe.yaml")
-    r = write(tmp_path, "version: 1\npreprocess: {pipeline: pipe.yaml, inputs: [x.jsonl], output: out}\n"
-                        "train: {lr: 1.0e-4, lerning_rate: 2, eval_every: 5}\n", "r.yaml")
+    write(tmp_path, '{"text": "x"}\n', "x.jsonl")
+    r = write(tmp_path, "version: 1\nstages:\n  preprocess: {pipeline: pipe.yaml, inputs: [x.jsonl], tokenizer: .}\n"
+                        "  train: {data: preprocess, lr: 1.0e-4, lerning_rate: 2, eval_every: 5}\n", "r.yaml")
     with pytest.raises(ConfigError) as e:
-        load_recipe(r)
+        load_recipe_spec(r)
     got = {(p.path, p.message.split(" (")[0].split(";")[0]) for p in e.value.problems}
-    assert ("train.output", "Field required") in got
-    assert ("train.lerning_rate", "unknown key 'lerning_rate'") in got
-    assert any(path == "train.eval_every" and "val_data" in msg for path, msg in got)
+    assert ("stages.train.lerning_rate", "unknown key 'lerning_rate'") in got
+
+
+def test_the_older_recipe_form_is_refused_with_the_new_form(tmp_path):
+    # one form of recipe: top-level stage blocks get the same recipe shown under `stages:`
+    import yaml
+
+    from astrai.recipe.command import load_recipe_spec
+
+    write(tmp_path, "version: 1\ninput: {sections: [{field: text}]}\n", "pipe.yaml")
+    write(tmp_path, '{"text": "x"}\n', "x.jsonl")
+    old = ("version: 1\nname: demo\npreprocess: {pipeline: pipe.yaml, inputs: [x.jsonl], output: out, holdout: 0.1}\n"
+           "train: {strategy: seq, output: model}\neval: {checkpoint: model/final}\n")
+    r = write(tmp_path, old, "r.yaml")
+    for load in (load_recipe_spec, load_any):
+        with pytest.raises(ConfigError) as e:
+            load(r)
+        (problem,) = e.value.problems
+        assert (problem.path, problem.line) == ("preprocess", 3)
+        assert "stages:" in problem.message and "preprocess.output, train.output: gone" in problem.message
+    shown = problem.message.split("(see recipes/sft.yaml):\n", 1)[1].split("\n    preprocess.output")[0]
+    new = yaml.safe_load(shown)
+    assert new == {"version": 1, "name": "demo", "stages": {
+        "preprocess": {"pipeline": "pipe.yaml", "inputs": ["x.jsonl"], "holdout": 0.1},
+        "train": {"data": "preprocess", "strategy": "seq"},
+        "eval": {"model": "train", "data": "preprocess"}}}
+    # the form shown is one that loads (given a tokenizer)
+    new["stages"]["preprocess"]["tokenizer"] = "."
+    r.write_text(yaml.safe_dump(new, sort_keys=False))
+    spec, _ = load_recipe_spec(r)
+    assert [s.name for s in spec.stages] == ["preprocess", "train", "eval"]
 
 
 def test_python_api_reads_the_same_models():
@@ -182,7 +213,7 @@ def test_every_bundled_yaml_validates(path):
         assert spec.stages and all(s.kind in kinds for s in spec.stages)
         return
     cfg = load_any(path)
-    assert isinstance(cfg.pipeline, Pipeline) and cfg.recipe is None
+    assert isinstance(cfg.pipeline, Pipeline) and not cfg.is_recipe
 
 
 def test_overrides_index_lists(tmp_path):

@@ -63,13 +63,13 @@ def test_recipe_executor_keys_are_validated(tmp_path, capsys):
     (tmp_path / "p.yaml").write_text("version: 1\ninput: {sections: [{field: text}]}\n")
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')  # validate checks that a recipe's inputs exist
     r = tmp_path / "r.yaml"
-    block = "version: 1\npreprocess:\n  pipeline: p.yaml\n  inputs: [a.jsonl]\n  output: o\n"
-    r.write_text(block + "  executor: ray\n  ray_address: 10.0.0.1:6379\n")
+    block = "version: 1\nstages:\n  preprocess:\n    pipeline: p.yaml\n    inputs: [a.jsonl]\n    tokenizer: .\n"
+    r.write_text(block + "    executor: ray\n    ray_address: 10.0.0.1:6379\n")
     assert main(["validate", str(r)]) == 0
-    r.write_text(block + "  ray_address: 10.0.0.1:6379\n")
+    r.write_text(block + "    ray_address: 10.0.0.1:6379\n")
     assert main(["validate", str(r)]) == 1
-    assert f"{r}:6:" in capsys.readouterr().out  # the problem sits on the ray_address line
-    r.write_text(block + "  executor: rya\n")
+    assert f"{r}:7:" in capsys.readouterr().out  # the problem sits on the ray_address line
+    r.write_text(block + "    executor: rya\n")
     assert main(["validate", str(r)]) == 1
     out = capsys.readouterr().out
     assert "executor" in out and "'local'" in out and "'ray'" in out

@@ -1,6 +1,6 @@
 """The `astrai` command line: one module per verb, each with `add_arguments(parser)` and `run(args) -> int`.
 
-    run.py         astrai run RECIPE: the recipe's stages, in registry order
+    run.py         astrai run RECIPE: the recipe's stages, in the order written
     preprocess.py  astrai preprocess PIPELINE -i INPUT... -o OUT
     validate.py    astrai validate FILE
     inspect.py     astrai inspect PIPELINE_OR_RECIPE | OUTDIR

@@ -28,11 +28,11 @@ def add_arguments(p):
 
 
 def _stage_option(p, name: str, **kw):
-    """A flag declared once, by the recipe's preprocess block (PreprocessOptions): its default,
+    """A flag declared once, by the recipe's preprocess stage (PreprocessOptions): its default,
     choices and meaning come from the model, so `--executor` and `preprocess: {executor: ...}` agree."""
     from typing import Literal, get_args, get_origin
 
-    from astrai.config.stages import PreprocessOptions
+    from astrai.recipe.preprocess_stage import PreprocessOptions
 
     field = PreprocessOptions.model_fields[name]
     if get_origin(field.annotation) is Literal:

@@ -3,8 +3,9 @@
     loading.py   safe YAML with line numbers, located problems, --set overrides, --help lines,
                  the StrictModel base and the combination-check protocol
     pipeline.py  the pipeline model (sections/sources, mask rules, preprocessing, output)
-    stages.py    the stage registry: each stage's options model, run function and CLI verb
-    recipe.py    the recipe model (one typed field per stage) and load_any (pipeline or recipe)
+    stages.py    the stage registry: each stage kind's recipe facts and CLI verb
+    recipe.py    load_any (a pipeline, or a recipe's preprocess stage), the run-directory rule, and
+                 the refusal of the older recipe form
 
 NOTE: nothing here imports torch or anything under astrai.data/train/infer (stage run functions
 are named by dotted path and imported only when a stage runs).
@@ -19,11 +20,11 @@ _HOME = {
                      "parse_set", "validate_data"), "loading"),
     **dict.fromkeys(("DEFAULT_MASK", "InputConfig", "Output", "Pipeline", "Preprocessing", "Section", "Source",
                      "load_pipeline"), "pipeline"),
-    **dict.fromkeys(("Loaded", "Recipe", "STAGE_OUTPUT", "detect_kind", "is_staged", "load_any", "load_recipe",
+    **dict.fromkeys(("Loaded", "OLD_FORM_KEYS", "STAGE_OUTPUT", "detect_kind", "is_staged", "load_any", "old_form_error",
                      "run_dir_of", "split_overrides", "stage_output"), "recipe"),
-    **dict.fromkeys(("STAGES", "PreprocessOptions", "Stage", "StageContext"), "stages"),
+    **dict.fromkeys(("STAGES", "Stage"), "stages"),
 }
-_ALIASES = {"PreprocessStage": "PreprocessOptions"}  # the name before the stage registry
+_ALIASES: dict[str, str] = {}
 
 __all__ = sorted([*_HOME, *_ALIASES])
 

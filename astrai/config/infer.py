@@ -1,8 +1,8 @@
-"""Options of the generation side (astrai.infer): sampling, engine, and the generate and eval stages.
+"""Options of the generation side (astrai.infer): sampling, engine, and the generate and eval verbs.
 
-Declared here, in the config layer, like every stage's options (astrai.config.stages): a recipe
-with `eval:` or `generate:` is validated without importing torch or the engine, and the CLI flags
-of `astrai generate` / `astrai eval` are read off these same models (astrai.infer.flags).
+Declared here, in the config layer: a recipe's eval stage (astrai.recipe.eval_stage, which extends
+EvalOptions) is validated without importing torch or the engine, and the CLI flags of `astrai
+generate` / `astrai eval` are read off these same models (astrai.infer.flags).
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ CLI_MAX_TOKENS = 256
 class GenerateOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    checkpoint: str = Field(description="checkpoint directory: config.json, safetensors, tokenizer files")
+    checkpoint: str = Field(description="checkpoint directory (config.json, safetensors, tokenizer files), or a "
+                                        "LoRA adapter directory (adapter_config.json: its base is merged in)")
+    base: Optional[str] = Field(None, description="the base checkpoint of an adapter directory CHECKPOINT "
+                                "(default: its adapter_config.json's base_model_name_or_path)")
     prompt: Optional[str] = Field(None, description="raw text to continue")
     chat: Optional[str] = Field(None, description="JSONL file of conversations to answer")
     input: Optional[str] = Field(None, description="JSONL file of {prompt | messages [, sampling]} records")
@@ -90,7 +93,10 @@ class EvalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: Optional[str] = Field(None, description="checkpoint directory (config.json, safetensors, tokenizer "
-                                      "files); in a recipe, default: what the train stage wrote")
+                                      "files) or LoRA adapter directory; in a recipe, default: what the train stage "
+                                      "wrote")
+    base: Optional[str] = Field(None, description="the base checkpoint of an adapter directory CHECKPOINT "
+                                "(default: its adapter_config.json's base_model_name_or_path)")
     data: Optional[str] = Field(None, description="preprocessed held-out directory (manifest.json, data/*.parquet); "
                                 "in a recipe, default: what the preprocess stage wrote")
     output: Optional[str] = Field(None, description="where eval.json goes; default: CHECKPOINT/eval.json")

@@ -1,11 +1,12 @@
-"""The recipe model and loading a pipeline-or-recipe with its paths resolved in one place.
+"""Recipes as the verbs that take "a pipeline or a recipe" see them, with paths resolved in one place.
 
-A recipe chains stages (`preprocess:`, then `train:`, `eval:` ... when they land). Its model has
-one typed field per stage of the registry (astrai.config.stages), so a stage's block is checked
-by that stage's options model like any other config, before anything runs.
+A recipe lists its stages under `stages:` (validated and run by astrai.recipe). `inspect`,
+`validate` and `preprocess` read its first preprocess stage: `load_any` returns a `Loaded` that
+resolves the tokenizer, template and input paths the same way for all of them. The run directory
+rule (`run_dir_of`, `stage_output`) lives here too, so every verb finds a stage's output alike.
 
-`load_any` is what every verb that accepts "a pipeline or a recipe" calls; the `Loaded` it
-returns resolves the tokenizer and template paths the same way for all of them.
+The older form, one top-level block per stage (`preprocess: {..., output: ...}`), is refused with
+the same recipe rewritten under `stages:` (`old_form_error`).
 """
 
 from __future__ import annotations
@@ -13,105 +14,118 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
-from pydantic import Field, create_model, model_validator
+from astrai.config.loading import ConfigError, Problem, apply_overrides, find_mark, load_yaml, override, validate_data
+from astrai.config.pipeline import Pipeline, load_pipeline
 
-from astrai.config.loading import (
-    ConfigError, Problem, StrictModel, find_mark, get_in, load_yaml, override, raise_combination_problems,
-    validate_data,
-)
-from astrai.config.pipeline import Pipeline, load_pipeline, tokenizer_problems
-from astrai.config.stages import STAGES, StageContext
-
-
-class _RecipeBase(StrictModel):
-    version: Literal[1] = Field(description="recipe format version")
-    name: Optional[str] = Field(None, description="a name for logs")
-
-    @model_validator(mode="after")
-    def _combinations(self):
-        return raise_combination_problems(self)
-
-    @classmethod
-    def combination_problems(cls, data: Any) -> list[tuple[tuple, str]]:
-        return recipe_combination_problems(data)
-
-
-def _stage_field(stage):
-    if stage.recipe_only:
-        return Optional[dict[str, Any]], Field(None, description=f"(only under `stages:`: {stage.help})")
-    if not stage.landed:
-        # declared so that the problem is "not available yet", not "unknown key"
-        return Optional[dict[str, Any]], Field(None, description=f"(not available yet: {stage.help})")
-    if stage.required:
-        return stage.options, Field(description=stage.help)
-    return Optional[stage.options], Field(None, description=stage.help)
-
-
-def recipe_model(stages: dict) -> type[StrictModel]:
-    """The recipe model for a stage registry: each stage's block checked by the stage's options model."""
-    model = create_model("Recipe", __base__=_RecipeBase,
-                         **{s.name: _stage_field(s) for s in stages.values()})
-    model.__doc__ = "A recipe: one block per stage (astrai.config.stages), each checked by its options model."
-    return model
-
-
-Recipe = recipe_model(STAGES)
-
-
-def recipe_combination_problems(data: Any) -> list[tuple[tuple, str]]:
-    out = [((s.name,), f"stage '{s.name}' is not available in this version of astrai yet; remove it from the recipe")
-           for s in STAGES.values() if not s.landed and get_in(data, s.name) is not None]
-    out += [((s.name,), f"stage '{s.name}' runs in recipes of named stages: put the recipe's stages under "
-                        f"`stages:` (see recipes/sft.yaml)")
-            for s in STAGES.values() if s.recipe_only and get_in(data, s.name) is not None]
-    # the stages' own combination checks, with their key paths under the stage's block
-    for s in STAGES.values():
-        check = getattr(s.options, "combination_problems", None)
-        block = get_in(data, s.name)
-        if check is not None and isinstance(block, dict):
-            out.extend(((s.name, *loc), msg) for loc, msg in check(block))
-    return out + tokenizer_problems(data, ("preprocess", "tokenizer"))
-
-
-def load_recipe(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Recipe:
-    data, marks = load_yaml(path)
-    sets = override(data, overrides, path)
-    return validate_data(data, Recipe, str(path), marks, sets)
+RECIPE_KEYS = ("version", "name", "run_dir", "stages")
+OLD_FORM_KEYS = ("preprocess", "train", "eval", "generate")  # top-level stage blocks of the older form
+STAGE_OUTPUT = "output"  # RUN/<stage>/output: what a stage of a recipe produces
 
 
 def detect_kind(data: Any) -> str:
-    """'recipe' or 'pipeline', from the top-level keys (a recipe's keys are stage names, or `stages`)."""
-    legacy = [name for name, s in STAGES.items() if not s.recipe_only]  # a pipeline has a tokenizer: key too
-    if isinstance(data, dict) and (is_staged(data) or any(name in data for name in legacy)):
+    """'recipe' or 'pipeline', from the top-level keys (a pipeline has none of a recipe's)."""
+    if isinstance(data, dict) and ("stages" in data or any(k in data for k in OLD_FORM_KEYS)):
         return "recipe"
     return "pipeline"
 
 
 def is_staged(data: Any) -> bool:
-    """A recipe of named, chained stages (`stages:`; run by astrai.recipe) rather than top-level blocks."""
+    """A recipe of named, chained stages (`stages:`), the one form astrai runs."""
     return isinstance(data, dict) and "stages" in data
 
 
-STAGE_OUTPUT = "output"  # RUN/<stage>/output: what a stage of a `stages:` recipe produces
+def old_form_error(path, data: dict, marks: dict) -> ConfigError:
+    """The older recipe form, refused with the same recipe written under `stages:`."""
+    found = [k for k in OLD_FORM_KEYS if k in data]
+    line, col = find_mark(marks, (found[0],), key=True)
+    new, notes = _as_stages(data)
+    import yaml
+
+    text = yaml.safe_dump(new, sort_keys=False, default_flow_style=None, width=100).rstrip()
+    shown = "\n      ".join(text.splitlines())
+    message = (f"top-level stage blocks ({', '.join(found)}) are no longer read: a recipe lists its stages "
+               f"under `stages:`, in the order they run; each writes RUN/<stage>/output (RUN is run_dir, "
+               f"default runs/<name> beside the recipe) and a stage reads an earlier one by its name. This recipe "
+               f"in that form (see recipes/sft.yaml):\n      {shown}" + "".join(f"\n    {n}" for n in notes))
+    return ConfigError(str(path), [Problem(found[0], message, line, col)])
+
+
+def _as_stages(data: dict) -> tuple[dict, list[str]]:
+    """The older form's blocks rewritten as stages (outputs go to the run directory), with notes."""
+    new = {k: data[k] for k in ("version", "name") if k in data}
+    stages, notes = {}, []
+    outputs = [f"{k}.output" for k in OLD_FORM_KEYS if isinstance(data.get(k), dict) and data[k].get("output")]
+    if outputs:
+        notes.append(f"{', '.join(outputs)}: gone; outputs go to the run directory (set run_dir: to choose it)")
+    pre = data.get("preprocess")
+    if isinstance(pre, dict):
+        stages["preprocess"] = {k: v for k, v in pre.items() if k != "output"}
+    train = data.get("train")
+    if isinstance(train, dict):
+        block = {k: v for k, v in train.items() if k != "output"}
+        if pre is not None:  # the older train read the preprocess output by default
+            block = {"data": "preprocess", **{k: v for k, v in block.items() if k != "data"}}
+        stages["train"] = block
+    ev = data.get("eval")
+    if isinstance(ev, dict):
+        block = {k: v for k, v in ev.items() if k not in ("output", "checkpoint", "data")}
+        refs = {"model": "train"} if train is not None else {"model": ev.get("checkpoint")}
+        refs["data"] = "preprocess" if pre is not None else ev.get("data")
+        if pre is not None and not (isinstance(pre, dict) and pre.get("holdout")):
+            refs["split"] = "train"  # the older eval read the whole output; `holdout: 0.1` gives a val split
+        stages["eval"] = {**refs, **block}
+    if "generate" in data:
+        notes.append("generate: not a recipe stage; run it after the recipe: astrai generate "
+                     "RUN/train/output/final --chat FILE.jsonl")
+    new["stages"] = stages
+    return new, notes
 
 
 def run_dir_of(recipe_path: str | os.PathLike, data: dict) -> Path:
-    """A `stages:` recipe's run directory: run_dir, relative to the recipe file (default runs/<name>)."""
+    """A recipe's run directory: run_dir, relative to the recipe file (default runs/<name>)."""
     run_dir = data.get("run_dir") or Path("runs") / str(data.get("name") or Path(recipe_path).stem)
     return Path(os.path.normpath(Path(recipe_path).resolve().parent / str(run_dir)))
 
 
 def stage_output(recipe_path: str | os.PathLike, data: dict, name: str) -> Path:
-    """Where stage `name` of a `stages:` recipe writes (the one home of this rule; astrai.recipe uses it)."""
+    """Where stage `name` of a recipe writes (the one home of this rule; astrai.recipe uses it)."""
     return run_dir_of(recipe_path, data) / name / STAGE_OUTPUT
 
 
+def recipe_path(recipe_dir: Path, rel: str) -> str:
+    """A path written in a recipe, relative to the recipe file (package:NAME and absolute kept)."""
+    if rel.startswith("package:") or Path(rel).is_absolute():
+        return rel
+    return os.path.normpath(Path(recipe_dir) / rel)
+
+
+def split_overrides(overrides, stage_names) -> tuple[list[str], list[str]]:
+    """A recipe's `--set`s: those for its stages and top-level keys, and those for the pipeline of its
+    preprocess stages (`pipeline.KEY=...`, or a pipeline key that is neither a stage nor a recipe key)."""
+    stage, pipe = [], []
+    for expr in overrides:
+        head = expr.split("=", 1)[0].split(".", 1)[0].strip()
+        if head == "pipeline" and "pipeline" not in stage_names:
+            pipe.append(expr.split(".", 1)[1] if "." in expr.split("=", 1)[0] else expr)
+        elif head in Pipeline.model_fields and head not in stage_names and head not in RECIPE_KEYS:
+            pipe.append(expr)
+        else:
+            stage.append(expr)
+    return stage, pipe
+
+
 def _staged_preprocess(path, data: dict, marks: dict, overrides) -> "Loaded":
-    """The first preprocess stage of a `stages:` recipe, as `inspect` and `validate` need it. A tokenizer
-    that names a stage is that stage's output, which exists once it has run."""
+    """The first preprocess stage of a recipe, as `inspect` and `validate` need it. A tokenizer that
+    names a stage is that stage's output, which exists once it has run."""
     stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
+    stage_sets, pipe_sets = split_overrides(overrides, list(stages))
+    if stage_sets:
+        try:
+            apply_overrides(stages, [o for o in stage_sets if o.split(".", 1)[0] in stages])
+        except ValueError as e:
+            raise ConfigError(str(path), [Problem("--set", str(e))]) from None
     name = next((n for n, b in stages.items() if isinstance(b, dict) and b.get("kind", n) == "preprocess"), None)
     if name is None:
         raise ConfigError(str(path), [Problem("stages", "this recipe has no preprocess stage", *find_mark(marks, ("stages",)))])
@@ -130,48 +144,40 @@ def _staged_preprocess(path, data: dict, marks: dict, overrides) -> "Loaded":
                                                   f"made by running it: astrai run {path} --only {tok}", line, col)])
         tok = str(out)
     elif isinstance(tok, str):
-        tok = StageContext(base).tokenizer(tok)
-    inputs = [StageContext(base).path(i) for i in block.get("inputs") or []]
-    pipeline = load_pipeline(pipe_path, tuple(list(block.get("overrides") or []) + list(overrides)))
-    return Loaded(None, pipeline, pipe_path, base, staged_inputs=tuple(inputs), staged_tokenizer=tok)
+        tok = _tokenizer_path(base, tok)
+    inputs = [recipe_path(base, i) for i in block.get("inputs") or []]
+    pipeline = load_pipeline(pipe_path, tuple(list(block.get("overrides") or []) + list(pipe_sets)))
+    return Loaded(pipeline, pipe_path, base, tuple(inputs), tok)
 
 
-def split_overrides(overrides) -> tuple[list[str], list[str]]:
-    """Recipe overrides, and the `pipeline.KEY=...` ones that go to the recipe's pipeline."""
-    recipe = [o for o in overrides if not o.startswith("pipeline.")]
-    pipe = [o[len("pipeline."):] for o in overrides if o.startswith("pipeline.")]
-    return recipe, pipe
+def _tokenizer_path(recipe_dir: Path, rel: str) -> str:
+    """A recipe's tokenizer: absolute (it is later loaded next to the pipeline's own relative paths)."""
+    return rel if rel.startswith("package:") else os.path.abspath(recipe_path(recipe_dir, rel))
 
 
 @dataclass(frozen=True)
 class Loaded:
-    """A pipeline file, or a recipe with its pipeline, with paths resolved the way every verb needs."""
+    """A pipeline file, or a recipe's preprocess stage with its pipeline, with paths resolved the way
+    every verb needs."""
 
-    recipe: Optional[Recipe]
     pipeline: Pipeline
     pipeline_path: Path
-    recipe_dir: Optional[Path] = None
-    staged_inputs: tuple = ()  # a `stages:` recipe: its first preprocess stage's inputs and tokenizer
-    staged_tokenizer: Optional[str] = None
+    recipe_dir: Optional[Path] = None  # set when loaded from a recipe
+    recipe_inputs_: tuple = ()  # the recipe's preprocess stage's inputs and tokenizer
+    recipe_tokenizer: Optional[str] = None
 
     @property
     def is_recipe(self) -> bool:
-        return self.recipe is not None or self.recipe_dir is not None
+        return self.recipe_dir is not None
 
     @property
     def base_dir(self) -> str:
         """Where the pipeline's own relative paths (a .jinja template, a tokenizer dir) are resolved."""
         return str(self.pipeline_path.parent)
 
-    def recipe_path(self, rel: str) -> str:
-        """A path written in the recipe (inputs, output, tokenizer), relative to the recipe file."""
-        return StageContext(self.recipe_dir).path(rel)
-
     @property
     def recipe_inputs(self) -> list[str]:
-        if self.staged_inputs:
-            return list(self.staged_inputs)
-        return [self.recipe_path(i) for i in self.recipe.preprocess.inputs] if self.recipe else []
+        return list(self.recipe_inputs_)
 
     def tokenizer(self, command_line: Optional[str] = None) -> Optional[str]:
         """The tokenizer to load (with base_dir): --tokenizer (relative to the working directory, else to
@@ -181,39 +187,16 @@ class Loaded:
                 return command_line
             p = Path(command_line)
             return str((p if p.exists() else self.pipeline_path.parent / p).resolve())
-        if self.staged_tokenizer:
-            return self.staged_tokenizer
-        tok = self.recipe.preprocess.tokenizer if self.recipe else None
-        return StageContext(self.recipe_dir).tokenizer(tok) if tok else self.pipeline.tokenizer
+        return self.recipe_tokenizer or self.pipeline.tokenizer
 
 
 def load_any(path: str | os.PathLike, overrides: tuple[str, ...] = ()) -> Loaded:
-    """Load a pipeline or a recipe (by its keys). For a recipe, its pipeline is loaded and checked too,
-    and `pipeline.KEY=...` overrides go to that pipeline."""
+    """Load a pipeline, or a recipe's first preprocess stage with its pipeline (by the file's keys);
+    on a recipe, pipeline keys (`pipeline.KEY=...` or a bare pipeline key) go to that pipeline."""
     data, marks = load_yaml(path)
-    if detect_kind(data) != "recipe":
+    if detect_kind(data) == "pipeline":
         sets = override(data, overrides, path)
-        return Loaded(None, validate_data(data, Pipeline, str(path), marks, sets), Path(path))
-    r_over, p_over = split_overrides(overrides)
-    if is_staged(data):
-        return _staged_preprocess(path, data, marks, p_over)
-    _refuse_pipeline_keys(path, r_over)
-    sets = override(data, r_over, path)
-    recipe = validate_data(data, Recipe, str(path), marks, sets)
-    pipe_path = Path(path).parent / recipe.preprocess.pipeline
-    if not pipe_path.exists():
-        line, col = find_mark(marks, ("preprocess", "pipeline"))
-        raise ConfigError(str(path), [Problem("preprocess.pipeline", f"file not found: {pipe_path}", line, col)])
-    return Loaded(recipe, load_pipeline(pipe_path, tuple(p_over), "pipeline."), pipe_path, Path(path).parent)
-
-
-def _refuse_pipeline_keys(path, overrides):
-    """A pipeline key set on a recipe (--set preprocessing.max_seq_len=...): say the form that works."""
-    problems = []
-    for o in overrides:
-        top = o.split("=", 1)[0].strip().split(".")[0]
-        if top in Pipeline.model_fields and top not in Recipe.model_fields:
-            problems.append(Problem(f"--set {o}", f"'{top}' is a key of the recipe's pipeline: on a recipe write "
-                                                  f"--set pipeline.{o}"))
-    if problems:
-        raise ConfigError(str(path), problems)
+        return Loaded(validate_data(data, Pipeline, str(path), marks, sets), Path(path))
+    if not is_staged(data):
+        raise old_form_error(path, data, marks)
+    return _staged_preprocess(path, data, marks, overrides)

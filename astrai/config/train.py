@@ -19,6 +19,45 @@ from astrai.config.loading import StrictModel, get_in, raise_combination_problem
 # positions per LM-head chunk: past one chunk, `lm_loss: auto` runs the fused loss (astrai.train.lm_loss)
 LOSS_CHUNK = 1024
 
+# LoRA targets by PEFT's names: the attention and MLP projections (the default), and the w1 (gate),
+# w3 (up) and w2 (down) of each Mixtral-style expert (only when asked: they multiply the adapters)
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = LORA_DEFAULT_TARGETS + ("w1", "w2", "w3")
+
+
+class LoraOptions(StrictModel):
+    """A train block's `lora:`: train low-rank adapters on a frozen pretrained base (astrai.model.lora)."""
+
+    rank: int = Field(16, ge=1, description="adapter rank r (A: r x in, B: out x r)")
+    alpha: float = Field(32.0, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (training only)")
+    target_modules: list[str] = Field(list(LORA_DEFAULT_TARGETS),
+                                      description=f"linear layers to adapt, by PEFT's names: {', '.join(LORA_TARGETS)}")
+    merge: bool = Field(True, description="also write final/merged/: the base with the adapters merged in "
+                                          "(a plain checkpoint)")
+
+    @classmethod
+    def combination_problems(cls, data) -> list[tuple[tuple, str]]:
+        import difflib
+
+        targets = get_in(data, "target_modules")
+        if not isinstance(targets, list):
+            return []
+        if not targets:
+            return [(("target_modules",), f"target_modules is empty; name layers to adapt, e.g. "
+                                          f"[{', '.join(LORA_DEFAULT_TARGETS)}]")]
+        p = []
+        for i, t in enumerate(targets):
+            if t not in LORA_TARGETS:
+                guess = difflib.get_close_matches(str(t), LORA_TARGETS, n=1, cutoff=0.6)
+                p.append((("target_modules", i), f"unknown target module {t!r}" + (
+                    f" (did you mean {guess[0]!r}?)" if guess else "") + f"; known: {', '.join(LORA_TARGETS)}"))
+        return p
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        return raise_combination_problems(self)
+
 
 class TrainOptions(StrictModel):
     """A recipe's `train:` block, or a train YAML. Paths are relative to that file."""
@@ -29,7 +68,10 @@ class TrainOptions(StrictModel):
     output: str = Field(description="run directory: checkpoints/, metrics.jsonl, final/")
     strategy: Literal["seq", "sft", "dpo", "grpo"] = Field("sft", description="training objective")
     val_data: Optional[str] = Field(None, description="preprocessed validation data (same strategy)")
-    ref_model: Optional[str] = Field(None, description="dpo/grpo reference checkpoint (default: the initial model)")
+    ref_model: Optional[str] = Field(None, description="dpo/grpo reference checkpoint (default: the initial model; "
+                                                       "with lora, the base with the adapters off)")
+    lora: Optional[LoraOptions] = Field(None, description="train LoRA adapters on the frozen `model` (a checkpoint) "
+                                                         "instead of every weight; {} for the defaults")
 
     epochs: int = Field(1, ge=1, description="passes over the data")
     max_steps: Optional[int] = Field(None, ge=1, description="stop after this many optimizer steps")
@@ -58,7 +100,8 @@ class TrainOptions(StrictModel):
     moe_aux_loss_coef: Optional[float] = Field(None, ge=0, description="MoE load-balancing weight (null: config's)")
 
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
-        "float32", description="parameter dtype (float64: for exactness checks, e.g. distributed == one process)")
+        "float32", description="parameter dtype (float64: for exactness checks, e.g. distributed == one process); "
+                               "with lora, the frozen base's: the adapters stay float32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     attention: Literal["auto", "loop", "varlen"] = Field("auto", description="packed attention backend")
     lm_loss: Literal["auto", "full", "chunked", "fused"] = Field(
@@ -90,6 +133,7 @@ class TrainOptions(StrictModel):
         if isinstance(betas, list) and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1
                                                                   for b in betas)):
             p.append((("betas",), "betas must be two numbers in [0, 1), e.g. [0.9, 0.95]"))
+        p += [(("lora",) + loc, m) for loc, m in LoraOptions.combination_problems(get_in(data, "lora"))]
         return p
 
     @model_validator(mode="after")

@@ -104,15 +104,22 @@ class Engine:
         self._texts: dict[int, OutputText] = {}
 
     @classmethod
-    def from_checkpoint(cls, path: Union[str, Path], options: Optional[EngineOptions] = None) -> "Engine":
-        """A checkpoint directory: config.json + safetensors (+ tokenizer files, generation_config.json)."""
+    def from_checkpoint(cls, path: Union[str, Path], options: Optional[EngineOptions] = None,
+                        base: Optional[Union[str, Path]] = None) -> "Engine":
+        """A checkpoint directory (config.json + safetensors + tokenizer files, generation_config.json),
+        or a LoRA adapter directory: its base (`base`, else the one it names) with the adapters merged
+        in, the adapter directory's tokenizer when it has one (else the base's). A base that does not
+        fit the adapter is refused before any weight is loaded (astrai.model.adapter_files)."""
+        from astrai.model.adapter_files import is_adapter, load_checkpoint, resolve_base
+        from astrai.model.hf_checkpoint import eos_token_ids
         from astrai.text.tokenizer import load_tokenizer
-        from astrai.model.hf_checkpoint import eos_token_ids, load_model
 
         path = Path(path)
-        model = load_model(path)
-        tokenizer = load_tokenizer(str(path)) if (path / "tokenizer.json").exists() else None
-        eos = eos_token_ids(path, model.config)
+        model = load_checkpoint(path, base)
+        dirs = [path, resolve_base(path, base)] if is_adapter(path) else [path]
+        tok_dir = next((d for d in dirs if (d / "tokenizer.json").exists()), None)
+        tokenizer = load_tokenizer(str(tok_dir)) if tok_dir is not None else None
+        eos = eos_token_ids(dirs[-1], model.config)
         return cls(model, tokenizer, options, eos)
 
     # ---- requests ----

@@ -1,4 +1,4 @@
-"""The eval stage (`astrai eval CHECKPOINT --data DIR`, and a recipe's eval stage) -> eval.json.
+"""Evaluation (`astrai eval CHECKPOINT --data DIR`, and a recipe's eval stage) -> eval.json.
 
 Perplexity (token-weighted, trained tokens only) of a held-out preprocessed directory read back
 through astrai.data.load.ShardDataset, packed rows evaluated with document isolation (see
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 from astrai.config.infer import EvalOptions
 
@@ -31,7 +30,7 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     out = out or sys.stdout
     if options.checkpoint is None or options.data is None:
         raise ValueError("eval needs a checkpoint and --data (a preprocessed held-out directory)")
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     dataset = ShardDataset(options.data)
     if dataset.multi:
         raise ValueError(f"{options.data}: a multi-output (DPO/GRPO) dataset; perplexity needs input_ids/labels rows")
@@ -75,20 +74,3 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-def run_stage(options: EvalOptions, ctx) -> str:
-    """A recipe's `eval:` block: paths relative to the recipe; checkpoint and data default to what the
-    train and preprocess stages of the same run wrote. Returns the eval.json path."""
-    checkpoint = ctx.path(options.checkpoint) if options.checkpoint else _trained_checkpoint(ctx)
-    data = ctx.path(options.data) if options.data else ctx.outputs.get("preprocess")
-    output = ctx.path(options.output) if options.output else str(Path(checkpoint or ".") / "eval.json")
-    run_eval(options.model_copy(update={"checkpoint": checkpoint, "data": data, "output": output}))
-    return output
-
-
-def _trained_checkpoint(ctx) -> Optional[str]:
-    out = ctx.outputs.get("train")
-    if out is not None and (Path(out) / "final" / "config.json").exists():
-        return str(Path(out) / "final")  # a run directory: its final checkpoint
-    return out

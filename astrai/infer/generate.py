@@ -78,7 +78,7 @@ def generate_main(options: GenerateOptions, out=None, err=None) -> int:
         items = read_jsonl_prompts(options.chat or options.input, chat_only=options.chat is not None)
     params = [options.sampling.model_copy(update=over) if over else options.sampling for _, over in items]
     params = [SamplingParams.model_validate(p.model_dump()) for p in params]  # overrides validated too
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     prompts = [p for p, _ in items]
     if len(prompts) == 1 and options.output is None:
         done = None
@@ -121,11 +121,3 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad options, input lines, a request that cannot fit
         print(f"error: {e}", file=sys.stderr)
         return 1
-
-
-def run_stage(options: GenerateOptions, ctx) -> Optional[str]:
-    """A recipe's `generate:` block: the same options, paths relative to the recipe."""
-    update = {k: ctx.path(getattr(options, k)) for k in ("checkpoint", "chat", "input", "output")
-              if getattr(options, k) is not None}
-    generate_main(options.model_copy(update=update), out=sys.stdout, err=sys.stderr)
-    return update.get("output")

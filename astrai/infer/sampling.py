@@ -7,7 +7,8 @@ most-likely set whose probability reaches top_p) -> min-p (drop tokens under min
 probability) -> draw.
 
 The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d., which picks token i with
-probability p_i. A seeded request draws its E from its own torch.Generator, exactly one vector of
+probability p_i. E is clamped to the smallest positive float, so a dropped token (p = 0) scores 0
+and can never win, whatever the generator returns. A seeded request draws its E from its own torch.Generator, exactly one vector of
 vocabulary size per sampled token, so its output depends on its seed alone and never on which
 other requests share the batch (or on a preemption in between). Unseeded rows share the process
 RNG.
@@ -73,6 +74,8 @@ def draw(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     race = torch.empty_like(probs)
     for b, req in enumerate(reqs):
         race[b].exponential_(generator=req.generator)  # None: the process RNG
+    # an exact 0 draw would make a dropped token (p = 0) 0/0 = NaN, and argmax takes NaN as the maximum
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
     return (probs / race).argmax(-1)
 
 

@@ -31,39 +31,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_recipe_spec(path: str, overrides=(), kinds: Optional[dict] = None):
     """Load, override (`stage.key=value`) and fully validate a recipe; raise ConfigError."""
-    from astrai.config import Problem
+    from astrai.config import OLD_FORM_KEYS, Problem, old_form_error, split_overrides
     from astrai.recipe.builtin import recipe_kinds
     from astrai.recipe.spec import parse_recipe, stage_overrides
 
     kinds = kinds if kinds is not None else recipe_kinds()
     data, marks = load_yaml(path)
+    if isinstance(data, dict) and "stages" not in data and any(k in data for k in OLD_FORM_KEYS):
+        raise old_form_error(path, data, marks)
     if isinstance(data, dict) and overrides:
         names = list(data.get("stages") or {}) if isinstance(data.get("stages"), dict) else []
-        overrides, pipeline_keys = _split_pipeline_keys(overrides, names)
+        overrides, pipeline_keys = split_overrides(overrides, names)
         try:
             apply_overrides(data, stage_overrides(overrides, names))
         except ValueError as e:
             raise ConfigError(str(path), [Problem("--set", str(e))]) from None
         _to_preprocess_stages(data, pipeline_keys, path)
     return parse_recipe(data, marks, str(path), kinds), kinds
-
-
-def _split_pipeline_keys(overrides, stage_names) -> tuple[list[str], list[str]]:
-    """`--set preprocessing.max_seq_len=1024` on a recipe means the pipeline of its preprocess stages
-    (a pipeline key that is neither a stage nor a recipe key); `pipeline.KEY=...` says so explicitly."""
-    from astrai.config import Pipeline
-    from astrai.recipe.spec import TOP_KEYS
-
-    stage, pipe = [], []
-    for expr in overrides:
-        head = expr.split("=", 1)[0].split(".", 1)[0].strip()
-        if head == "pipeline" and "pipeline" not in stage_names:
-            pipe.append(expr.split(".", 1)[1] if "." in expr.split("=", 1)[0] else expr)
-        elif head in Pipeline.model_fields and head not in stage_names and head not in TOP_KEYS:
-            pipe.append(expr)
-        else:
-            stage.append(expr)
-    return stage, pipe
 
 
 def _to_preprocess_stages(data: dict, pipeline_keys: list[str], path):

@@ -1,7 +1,8 @@
 """The eval stage inside a recipe: perplexity on held-out data and sample generations, via run_eval.
 
 Options are astrai.infer's EvalOptions, except that the recipe decides the paths: `model` names a
-train stage (its final checkpoint; a checkpoint directory may be given instead), `data` names a
+train stage (its final checkpoint, or its LoRA adapter merged into the base it names; a checkpoint
+directory may be given instead), `data` names a
 preprocess stage and `split` picks its val/ (default) or train/ split; eval.json goes to
 RUN/<stage>/output/. Checked before any work: the split exists (the data stage holds records out),
 the data is single-output (perplexity needs input_ids/labels rows), and the model was trained on
@@ -36,7 +37,7 @@ def check_eval(options: EvalStageOptions, base_dir: Path, upstream: dict) -> lis
     problems = []
     data = upstream.get("data") or {}
     model = upstream.get("model") or {}
-    if options.split == "val" and not data.get("held_out"):
+    if options.split == "val" and data.get("held_out") is False:  # absent: that stage has its own problem
         problems.append(("data", f"'{options.data}' holds no records out: set holdout (e.g. 0.1) in that stage, "
                                  f"or split: train to evaluate on training data"))
     if data.get("data_kind") in ("dpo", "grpo"):
@@ -55,7 +56,8 @@ def run_eval_stage(ctx) -> dict:
 
     opts: EvalStageOptions = ctx.options
     model = Path(ctx.inputs["model"])
-    checkpoint = model / "final" if (model / "final" / "config.json").exists() else model
+    final = model / "final"
+    checkpoint = final if (final / "config.json").exists() or (final / "adapter_config.json").exists() else model
     train_dir, val_dir = data_dirs(ctx.inputs["data"])
     data = train_dir if opts.split == TRAIN else val_dir
     if data is None:

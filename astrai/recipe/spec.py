@@ -28,9 +28,10 @@ from pydantic import BaseModel
 
 from astrai.config import ConfigError, Problem, run_dir_of, validate_data
 from astrai.config.loading import find_mark
+from astrai.config.recipe import RECIPE_KEYS
 from astrai.recipe.kinds import StageKind, describe_stage
 
-TOP_KEYS = ("version", "name", "run_dir", "stages")
+TOP_KEYS = RECIPE_KEYS
 
 
 @dataclass(frozen=True)

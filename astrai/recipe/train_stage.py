@@ -57,9 +57,13 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
         problems.append(("data", f"strategy {options.strategy} cannot train on '{options.data}', which makes "
                                  f"{kind} data; {fix}"))
     val = upstream.get("val_data") or data
-    if options.eval_every is not None and not val.get("held_out"):
+    # `held_out` absent: the data stage has a problem of its own and is not described; say nothing
+    if options.eval_every is not None and val.get("held_out") is False:
         problems.append(("eval_every", f"validation needs held-out data: set holdout (e.g. 0.1) in stage "
                                        f"'{options.val_data or options.data}', or remove eval_every"))
+    if options.lora is not None and "model" not in upstream:
+        problems.append(("model", f"lora trains adapters on a pretrained checkpoint, but '{options.model}' is a "
+                                  f"size preset (random weights); name a checkpoint directory or stage"))
     base = (upstream.get("model") or {}).get("tokenizer")
     if base and data.get("tokenizer") and base != data["tokenizer"]:
         problems.append(("data", f"'{options.data}' was preprocessed with tokenizer {data['tokenizer']}, but "
@@ -84,8 +88,7 @@ def run_train_stage(ctx) -> dict:
     val_dir = data_dirs(ctx.inputs["val_data"])[1] if "val_data" in ctx.inputs else own_val
     fields = {k: v for k, v in opts.model_dump().items() if k not in ("data", "output", "val_data")}
     if "model" in ctx.inputs:  # an earlier train stage (its final checkpoint) or a path
-        model = Path(ctx.inputs["model"])
-        fields["model"] = str(model / "final" if (model / "final" / "config.json").exists() else model)
+        fields["model"] = str(continued_from(Path(ctx.inputs["model"])))
     options = TrainOptions(**fields, data=str(train_dir), output=str(ctx.output),
                            val_data=str(val_dir) if val_dir else None)
     metrics_file = ctx.output / "metrics.jsonl"
@@ -97,6 +100,17 @@ def run_train_stage(ctx) -> dict:
         # a signal stopped training after a checkpoint: not done; `astrai run` again resumes it
         raise KeyboardInterrupt(f"training stopped by signal {result['stopped']} at step {result['steps']}")
     return train_metrics(result, metrics_file)
+
+
+def continued_from(model: Path) -> Path:
+    """What a train stage starts from when `model` names an earlier train stage: its final checkpoint;
+    after a LoRA stage, the merged one (final/merged/), else its adapter (merged into its base on load)."""
+    final = model / "final"
+    if (final / "merged" / "config.json").exists():
+        return final / "merged"
+    if (final / "config.json").exists() or (final / "adapter_config.json").exists():
+        return final
+    return model
 
 
 def train_metrics(result: dict, metrics_file: Path) -> dict:

@@ -176,14 +176,19 @@ def _full_options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_model_state(model: torch.nn.Module) -> dict:
-    """The unsharded model state dict. Collective under fsdp: every rank must call it; rank 0 gets
-    the tensors (on CPU), the others an empty dict. The plain state dict otherwise."""
+def full_model_state(model: torch.nn.Module, trainable_only: bool = False) -> dict:
+    """The unsharded model state dict (`trainable_only`: only the parameters that train, e.g. LoRA
+    adapters). Collective under fsdp: every rank must call it; rank 0 gets the tensors (on CPU),
+    the others an empty dict. The plain state dict otherwise."""
     if not is_sharded(model):
-        return model.state_dict()
+        sd = model.state_dict()
+        if trainable_only:
+            train = {n for n, p in model.named_parameters() if p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k in train}
+        return sd
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_full_options(cpu_offload=True))
+    return get_model_state_dict(model, options=_full_options(cpu_offload=True, ignore_frozen_params=trainable_only))
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
@@ -196,12 +201,16 @@ def full_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
     return get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
 
 
-def load_full_state(model: torch.nn.Module, optimizer, model_sd: dict, optim_sd: dict):
+def load_full_state(model: torch.nn.Module, optimizer, model_sd: dict, optim_sd: dict, strict: bool = True):
     """Load full (unsharded) state into the model and optimizer, sharded or not. Each rank passes
     the whole state (every rank reads the checkpoint). An optimizer state keyed by index (written
-    without fsdp) is re-keyed by parameter name, so checkpoints move between ddp and fsdp."""
+    without fsdp) is re-keyed by parameter name, so checkpoints move between ddp and fsdp.
+    `strict=False`: `model_sd` holds only some tensors (LoRA adapters; the rest stays as it is)."""
     if not is_sharded(model):
-        model.load_state_dict(model_sd)
+        missing = set(model_sd) - set(model.state_dict())
+        if missing:
+            raise ValueError(f"checkpoint tensors {sorted(missing)[:3]} are not in this model")
+        model.load_state_dict(model_sd, strict=strict)
         if _keyed_by_name(optim_sd):
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -211,7 +220,7 @@ def load_full_state(model: torch.nn.Module, optimizer, model_sd: dict, optim_sd:
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    set_model_state_dict(model, model_sd, options=_full_options())
+    set_model_state_dict(model, model_sd, options=_full_options(strict=strict))
     if not _keyed_by_name(optim_sd):
         optim_sd = _rekey_by_name(model, optimizer, optim_sd)
     set_optimizer_state_dict(model, optimizer, optim_sd, options=_full_options())

@@ -1,7 +1,9 @@
 """Trainer checkpoints: everything an exact resume needs, written atomically.
 
 A checkpoint is a directory `checkpoints/step-00000040/` holding
-  config.json + model.safetensors  (a Hugging Face model: transformers loads it as is)
+  config.json + model.safetensors  (a Hugging Face model: transformers loads it as is), or with LoRA
+                                   only the adapters (adapter_config.json + adapter_model.safetensors,
+                                   PEFT's format; the frozen base is the run's `model`, not copied)
   tokenizer files of the data      (so `astrai generate` needs nothing else)
   optimizer.pt, scheduler.pt       (torch state dicts; an fsdp run's optimizer.pt is the full state
                                    keyed by parameter name: astrai.train.distributed)
@@ -24,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from astrai.model.hf_checkpoint import read_tensors, save_model
+from astrai.model.adapter_files import read_weights, save_weights
 from astrai.train.distributed import load_full_state
 
 STATE = "trainer_state.json"
@@ -60,7 +62,7 @@ def save(root: Path, step: int, model, optimizer, scheduler, state: dict,
     final = root / _name(step)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    save_model(model, tmp, model_sd)
+    save_weights(model, tmp, model_sd)  # the model, or only its LoRA adapters
     if write_tokenizer is not None:
         write_tokenizer(tmp)
     torch.save(optimizer.state_dict() if optim_sd is None else optim_sd, tmp / "optimizer.pt")
@@ -91,12 +93,10 @@ def load(path: Path, model, optimizer, scheduler) -> dict:
     """Restore model weights (in place: the optimizer keeps its parameters; into the shards of an
     fsdp model), optimizer, scheduler, RNG. Every rank reads the full files."""
     path = Path(path)
-    sd = read_tensors(path)
-    if model.config.tie_word_embeddings:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    sd, complete = read_weights(path, model)
     current = model.state_dict()
     load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()},
-                    torch.load(path / "optimizer.pt", weights_only=False))
+                    torch.load(path / "optimizer.pt", weights_only=False), strict=complete)
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / STATE).read_text())

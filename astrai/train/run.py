@@ -6,19 +6,21 @@ rounded up to a multiple of 64), a config.json (fresh weights), or a checkpoint 
 initial model as the reference unless `ref_model` names one. Everything is checked before any
 training step. Rank 0 writes `OUTPUT/final/` (model + tokenizer: what transformers and
 `astrai generate` load) and `OUTPUT/metrics.jsonl`; checkpoints are under `OUTPUT/checkpoints/`.
+With `lora:`, adapters train on the frozen checkpoint and final/ holds them (astrai.train.adapters).
 """
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
 
-from astrai.model import CausalLM, ModelConfig, load_model, save_model
+from astrai.model import CausalLM, ModelConfig
+from astrai.model.adapter_files import is_adapter, load_checkpoint
 from astrai.model.checkpoint_files import read_json
 from astrai.model.config import PRESETS
 from astrai.model.weights import check_fits_memory
+from astrai.train.adapters import add_adapters, base_problem, reference, write_final
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import finish, full_model_state, setup, teardown
 from astrai.config.train import TrainOptions
@@ -30,7 +32,13 @@ class TrainConfigError(ValueError):
     pass
 
 
-def build_model(spec: str, data: TrainData, seed: int) -> CausalLM:
+def is_checkpoint(spec: str) -> bool:
+    path = Path(spec)
+    return path.is_dir() and ((path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
+                              or is_adapter(path))
+
+
+def build_model(spec: str, data: TrainData, seed: int, dtype: torch.dtype = torch.float32) -> CausalLM:
     torch.manual_seed(seed)
     if spec in PRESETS:
         tok = data.tokenizer
@@ -38,11 +46,11 @@ def build_model(spec: str, data: TrainData, seed: int) -> CausalLM:
         return CausalLM(ModelConfig.preset(spec, vocab_size=vocab, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                                            pad_token_id=None))
     path = Path(spec)
-    if path.is_dir():  # load_model refuses what it cannot read (pickles, bad files) with the reason
-        return load_model(path, dtype=torch.float32)
+    if path.is_dir():  # a checkpoint, or an adapter directory (merged into its base, which then trains);
+        return load_checkpoint(path, dtype=dtype)  # what cannot be read (pickles, bad files) is refused by name
     if path.suffix == ".json" and path.exists():
         config = ModelConfig.from_hf(read_json(path, "config.json"), str(path))
-        check_fits_memory(config, torch.float32, str(path))  # before allocating fresh weights
+        check_fits_memory(config, dtype, str(path))  # before allocating fresh weights
         return CausalLM(config)
     raise TrainConfigError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}), a config.json, "
                            f"or a checkpoint directory with model.safetensors")
@@ -52,7 +60,10 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
     if options.data is None:
         raise TrainConfigError("data is required: the preprocessed directory to train on")
     data = TrainData(options.data)
-    model = build_model(options.model, data, options.seed)
+    problem = base_problem(options, is_checkpoint(options.model))
+    if problem:
+        raise TrainConfigError(f"train config: {problem}")
+    model = build_model(options.model, data, options.seed, getattr(torch, options.dtype))
     problems = compat_problems(options.strategy, data, model.config.vocab_size)
     val = TrainData(options.val_data) if options.val_data else None
     if val is not None and val.kind != data.kind:
@@ -60,24 +71,26 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
     if problems:
         raise TrainConfigError("train config: " + "; ".join(problems))
 
-    ref = None
-    if options.strategy == "dpo" or (options.strategy == "grpo" and options.grpo_kl_coef > 0):
-        ref = load_model(options.ref_model) if options.ref_model else copy.deepcopy(model)
-        ref.requires_grad_(False).eval()
+    if options.lora is not None:
+        add_adapters(model, options)
+    ref = reference(model, options)
+    # a reference that is the (sharded) model itself runs collectively: no per-rank cache of its log-probs
     strategy = make_strategy(options.strategy, ref, label_smoothing=options.label_smoothing, beta=options.dpo_beta,
-                             clip_eps=options.grpo_clip_eps, kl_coef=options.grpo_kl_coef, updates=options.grpo_updates)
+                             clip_eps=options.grpo_clip_eps, kl_coef=options.grpo_kl_coef, updates=options.grpo_updates,
+                             cache_ref=not (options.lora is not None and options.parallel == "fsdp"))
     dist = setup(options.device)
     try:
-        if ref is not None:
+        if isinstance(ref, torch.nn.Module):
             ref.to(device=dist.device, dtype=getattr(torch, options.dtype))
         trainer = Trainer(model, strategy, data.dataset, options, val_dataset=val.dataset if val else None,
                           callbacks=tuple(callbacks), dist=dist, write_tokenizer=data.write_tokenizer)
         state = trainer.fit()
         final = Path(options.output) / "final"
-        full = full_model_state(trainer.raw_model) if state.stopped is None else None  # collective under fsdp
+        merge = options.lora is None or options.lora.merge
+        # collective under fsdp; the frozen base is gathered only to be merged
+        full = full_model_state(trainer.raw_model, trainable_only=not merge) if state.stopped is None else None
         if dist.is_main and state.stopped is None:
-            save_model(trainer.raw_model, final, full)
-            data.write_tokenizer(final)
+            write_final(trainer.raw_model, final, full, data.write_tokenizer, merge)
         last = next((r for r in reversed(state.history) if "loss" in r), {})
         val_loss = next((r["val_loss"] for r in reversed(state.history) if "val_loss" in r), None)
         finish(dist)  # final/ is on disk before any rank returns; and see distributed.finish

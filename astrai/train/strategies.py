@@ -9,7 +9,9 @@ the seed divided each micro-batch's mean by the number of micro-steps instead).
 - sft:  the same over tokens whose label != IGNORE_INDEX; units = trained tokens.
 - dpo:  -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), pi/ref = the sum of a sequence's
         token log-probs over its trained tokens; units = pairs. The reference model is frozen, so
-        its log-probs are computed once per row and cached (once per run, hence once per epoch).
+        its log-probs are computed once per row and cached (once per run, hence once per epoch),
+        except when the reference is the fsdp-sharded policy itself with its LoRA adapters off
+        (`cache_ref=False`): its forwards are collective, and ranks would hit their caches apart.
 - grpo: per trained completion token, -min(rho * A, clip(rho, 1-eps, 1+eps) * A) + kl_coef * k3,
         rho = pi / pi_old, k3 = exp(ref - pi) - (ref - pi) - 1 (Schulman's unbiased, positive KL
         estimator), A the group-normalised advantage of the completion; units = completion tokens.
@@ -101,8 +103,8 @@ class LMStrategy(Strategy):
 class DPOStrategy(Strategy):
     name = "dpo"
 
-    def __init__(self, ref_model, beta: float = 0.1):
-        self.ref, self.beta = ref_model, beta
+    def __init__(self, ref_model, beta: float = 0.1, cache_ref: bool = True):
+        self.ref, self.beta, self.cache_ref = ref_model, beta, cache_ref
         self.cache: dict[int, tuple[float, float]] = {}
 
     def collate(self, rows):
@@ -120,7 +122,7 @@ class DPOStrategy(Strategy):
     @torch.no_grad()
     def prepare(self, model, batches, indices, env):
         for b, idx in zip(batches, indices):
-            if not all(i in self.cache for i in idx):
+            if not (self.cache_ref and all(i in self.cache for i in idx)):
                 s, _ = self._seq_logps(self.ref, b, env)
                 for j, i in enumerate(idx):
                     self.cache[i] = (float(s[2 * j]), float(s[2 * j + 1]))
@@ -183,7 +185,7 @@ def make_strategy(name: str, ref_model=None, **opts) -> Strategy:
     if name in ("seq", "sft"):
         return LMStrategy(name, opts.get("label_smoothing", 0.0))
     if name == "dpo":
-        return DPOStrategy(ref_model, opts.get("beta", 0.1))
+        return DPOStrategy(ref_model, opts.get("beta", 0.1), opts.get("cache_ref", True))
     if name == "grpo":
         return GRPOStrategy(ref_model, opts.get("clip_eps", 0.2), opts.get("kl_coef", 0.01), opts.get("updates", 2))
     raise ValueError(f"unknown strategy {name!r}: choose seq, sft, dpo or grpo")

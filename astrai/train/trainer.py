@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
+from astrai.model.lora import cast, has_adapters
 from astrai.train import resume
 from astrai.train.batches import RankSampler
 from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
@@ -65,7 +66,7 @@ class Trainer:
         o = self.opts = options
         self.dist = dist or Dist()
         self.out = Path(out_dir or o.output)
-        self.raw_model = model.to(device=self.dist.device, dtype=_DTYPES[o.dtype])
+        self.raw_model = cast(model, self.dist.device, _DTYPES[o.dtype])  # LoRA adapters stay float32
         if o.compile:
             for layer in self.raw_model.model.layers:
                 layer.compile()
@@ -110,7 +111,8 @@ class Trainer:
         self.state.saved_step = self.state.global_step
         model_sd, optim_sd = None, None
         if self.sharded:
-            model_sd, optim_sd = full_model_state(self.raw_model), full_optimizer_state(self.raw_model, self.optimizer)
+            model_sd = full_model_state(self.raw_model, trainable_only=has_adapters(self.raw_model))
+            optim_sd = full_optimizer_state(self.raw_model, self.optimizer)
         if self.dist.is_main:
             resume.save(self.checkpoint_dir, self.state.global_step, self.raw_model, self.optimizer,
                              self.scheduler, {**self.state.saved(), "options": self.opts.model_dump(mode="json")},

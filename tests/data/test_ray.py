@@ -194,14 +194,14 @@ def test_a_recipe_runs_on_ray_from_the_cli(ray_cluster, tiny_tokenizer, chats, t
 
     pipe = pipeline(packing_strategy="bfd")
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(pipe.model_dump(exclude_defaults=True)))
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"version": 1, "preprocess": {
-        "pipeline": "p.yaml", "inputs": [str(chats)], "output": "ray", "tokenizer": str(tiny_tokenizer),
-        "executor": "ray", "ray_address": ray_cluster}}))
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"version": 1, "run_dir": "run", "stages": {"preprocess": {
+        "pipeline": "p.yaml", "inputs": [str(chats)], "tokenizer": str(tiny_tokenizer),
+        "executor": "ray", "ray_address": ray_cluster}}}))
     assert main(["run", str(tmp_path / "r.yaml")]) == 0
     assert "as Ray tasks" in capsys.readouterr().out
     assert main(["preprocess", str(tmp_path / "p.yaml"), "-i", str(chats), "-o", str(tmp_path / "local"),
                  "--tokenizer", str(tiny_tokenizer), "--workers", "2"]) == 0
-    assert file_digests(tmp_path / "ray") == file_digests(tmp_path / "local")
+    assert file_digests(tmp_path / "run" / "preprocess" / "output" / "train") == file_digests(tmp_path / "local")
 
 
 def test_relative_paths_mean_the_drivers_working_directory(ray_cluster, tiny_tokenizer, chats, tmp_path,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astrai.infer.request import Request, SamplingParams
-from astrai.infer.sampling import apply_repetition_penalty, make_generator, sample, warp
+from astrai.infer.sampling import apply_repetition_penalty, draw, make_generator, sample, warp
 
 
 def req(tokens=(1, 2), **kw):
@@ -78,6 +78,20 @@ def test_draw_follows_the_distribution():
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
     assert freq[3] == 0
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+
+
+def test_a_zero_draw_never_picks_a_dropped_token(monkeypatch):
+    """A generator may return an exact 0 (Exp(1) sampled as -log(U) with U = 1): a dropped token's
+    p = 0 must not become 0/0 = NaN, which argmax would take as the maximum."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.zero_())
+    logits = torch.tensor([[float("-inf"), 2.0, 1.0, float("-inf")]] * 3)
+    reqs = [req(temperature=1.0), req(temperature=0.8, seed=1), req(temperature=1.0, top_k=1)]
+    tokens, _ = sample(logits, reqs)
+    assert tokens == [1, 1, 1]  # every kept token ties at p / tiny = inf: the first one wins, never a dropped one
+    probs = torch.tensor([[0.0, 0.0, 0.7, 0.3]])
+    zeros_at_0_and_3 = lambda self, *a, **k: self.fill_(1.0).index_fill_(-1, torch.tensor([0, 3]), 0.0)  # noqa: E731
+    monkeypatch.setattr(torch.Tensor, "exponential_", zeros_at_0_and_3)
+    assert draw(probs, [req(temperature=1.0)]).tolist() == [3]  # 0.3 / tiny beats 0.7 / 1; token 0 (p = 0) never
 
 
 def test_seed_gives_same_tokens_whatever_the_batch():

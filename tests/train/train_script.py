@@ -1,7 +1,7 @@
 """A tiny training run used by the trainer tests, in-process or as a subprocess (kill, signal, torchrun).
 
     python train_script.py OUT [--kill-at STEP] [--sleep S] [--batch B] [--accum A] [--epochs N]
-                               [--parallel ddp|fsdp] [--tied] [--moe] [--val ROWS] [--opt KEY=JSON ...]
+                               [--parallel ddp|fsdp] [--tied] [--moe] [--lora] [--val ROWS] [--opt KEY=JSON ...]
 """
 
 import argparse
@@ -47,10 +47,20 @@ def options(out, **kw):
     return TrainOptions(**{**base, **kw})
 
 
-def model(seed=0, tied=False, moe=False):
+def model(seed=0, tied=False, moe=False, lora=False):
+    """`lora`: rank-4 adapters on every projection (on a MoE model, also on the experts), B at random
+    like after some training so the adapted model differs from its base."""
     torch.manual_seed(seed)
     cfg = CFG.replace(tie_word_embeddings=True) if tied else CFG
-    return CausalLM(cfg.replace(num_local_experts=4, num_experts_per_tok=2) if moe else cfg)
+    m = CausalLM(cfg.replace(num_local_experts=4, num_experts_per_tok=2) if moe else cfg)
+    if lora:
+        from astrai.model.lora import LoraSpec, apply_lora, lora_layers
+
+        apply_lora(m, LoraSpec(4, 8.0, targets=LoraSpec.targets + (("w1", "w2", "w3") if moe else ())))
+        with torch.no_grad():
+            for layer in lora_layers(m).values():
+                layer.lora_B.weight.normal_(0, 0.02)
+    return m
 
 
 class KillAt(Callback):
@@ -94,6 +104,7 @@ def main():
     p.add_argument("--parallel", default="ddp")
     p.add_argument("--tied", action="store_true")
     p.add_argument("--moe", action="store_true", help="4 experts, top 2")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters only (train_script.model)")
     p.add_argument("--val", type=int, help="validation rows (validated every 3 steps)")
     p.add_argument("--opt", action="append", default=[], help="any other train option, e.g. compile=true")
     args = p.parse_args()
@@ -108,7 +119,7 @@ def main():
         cbs.append(UnsyncedGrads())
     val = dict(val_data="unused", eval_every=3) if args.val else {}
     val.update({k: json.loads(v) for k, v in (o.split("=", 1) for o in args.opt)})
-    t = Trainer(model(tied=args.tied, moe=args.moe), make_strategy("sft"), synthetic_rows(),
+    t = Trainer(model(tied=args.tied, moe=args.moe, lora=args.lora), make_strategy("sft"), synthetic_rows(),
                 options(args.out, batch_size=args.batch, grad_accum=args.accum, epochs=args.epochs,
                         parallel=args.parallel, **val),
                 callbacks=tuple(cbs), dist=dist, val_dataset=synthetic_rows(args.val, seed=1) if args.val else None)

@@ -1,0 +1,84 @@
+"""LoRA in the train stage: which base, the adapters on it, the reference model, and what final/ holds.
+
+With `lora:` the model source must be a checkpoint directory (or an adapter directory, merged into
+its base first): adapters on random weights teach nothing, and a resumed run must find the same
+frozen base again. That base is never copied: checkpoints and final/ hold the adapters in PEFT's
+format (astrai.model.adapter_files) naming it in base_model_name_or_path, plus the optimizer state
+of the adapters only; a resume rebuilds the base from `model` and loads the adapters into it.
+
+final/ = adapter_config.json + adapter_model.safetensors + the data's tokenizer, and unless
+`lora.merge: false`, final/merged/ = the base with the adapters merged in (config.json +
+model.safetensors + tokenizer: a plain checkpoint for transformers, or for a later train stage).
+DPO and GRPO use the base with the adapters off as their reference (lora.BaseView): no second
+copy of the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from astrai.config.train import TrainOptions
+from astrai.model.adapter_files import save_adapter
+from astrai.model.hf_checkpoint import save_model
+from astrai.model.lora import BaseView, LoraSpec, apply_lora, has_adapters, merged_state
+from astrai.model.transformer import CausalLM
+
+MERGED = "merged"
+
+
+def lora_spec(options: TrainOptions) -> LoraSpec:
+    lo = options.lora
+    return LoraSpec(lo.rank, float(lo.alpha), lo.dropout, tuple(lo.target_modules))
+
+
+def base_problem(options: TrainOptions, is_checkpoint: bool) -> Optional[str]:
+    from astrai.model.adapter_files import is_adapter
+
+    if options.lora is None:
+        return None
+    if not is_checkpoint:
+        return (f"lora trains adapters on a pretrained model, but model {options.model!r} is not a checkpoint "
+                f"directory; set model to one (a size preset or a config.json starts from random weights)")
+    if is_adapter(options.model):
+        return (f"model {options.model!r} is a LoRA adapter directory; new adapters need a full checkpoint as "
+                f"their base: use its merged/ directory (lora.merge: true writes it)")
+    return None
+
+
+def add_adapters(model: CausalLM, options: TrainOptions) -> CausalLM:
+    """Freeze `model` and wrap its target layers; the adapters' initialisation follows the run's seed."""
+    torch.manual_seed(options.seed)
+    apply_lora(model, lora_spec(options), base=str(Path(options.model).resolve()))
+    return model
+
+
+def reference(model: CausalLM, options: TrainOptions):
+    """The frozen model DPO (and GRPO's KL) compares against, or None when the objective needs none."""
+    if not (options.strategy == "dpo" or (options.strategy == "grpo" and options.grpo_kl_coef > 0)):
+        return None
+    if options.ref_model is None and has_adapters(model):
+        return BaseView(model)
+    import copy
+
+    from astrai.model.adapter_files import load_checkpoint
+
+    ref = load_checkpoint(options.ref_model) if options.ref_model else copy.deepcopy(model)
+    return ref.requires_grad_(False).eval()
+
+
+def write_final(model: CausalLM, final: Path, state: Optional[dict], write_tokenizer: Callable[[Path], None],
+                merge: bool = True):
+    """`state`: the full state dict when it was gathered from a sharded model."""
+    if not has_adapters(model):
+        save_model(model, final, state)
+        write_tokenizer(final)
+        return
+    save_adapter(model, final, state)
+    write_tokenizer(final)
+    if merge:
+        save_model(model, final / MERGED, merged_state(model.state_dict() if state is None else state,
+                                                       model.adapter.spec.scaling))
+        write_tokenizer(final / MERGED)
