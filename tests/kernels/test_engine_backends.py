@@ -140,15 +140,27 @@ def test_the_kernels_take_a_models_softmax_scale(emu_registered):
         assert [o.token_ids for o in engine.generate(prompts, params)] != outs["torch"]  # the scale matters here
 
 
-def test_a_sliding_window_model_is_never_given_to_the_kernels(emu_registered, monkeypatch):
+def test_sliding_windows_on_the_emulated_kernels_equal_the_torch_backend(emu_registered):
+    # Gemma 3 local (window 6) and global layers, decode well past the window, chunked prefill
+    torch.manual_seed(7)
+    cfg = ModelConfig(**GEMMA_FULL).replace(sliding_window=6, layer_types=("sliding_attention", "full_attention"),
+                                            local_rope={"rope_theta": 500.0, "rope_type": "default"})
+    model = CausalLM(cfg).eval()
+    prompts = _prompts(8)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    outs = {}
+    for name in ("torch", "emu"):
+        with attn_backend(name):
+            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=16, max_running=4))
+            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs["emu"] == outs["torch"]
+
+
+def test_a_model_the_kernels_cannot_serve_goes_to_torch(emu_registered, monkeypatch):
     monkeypatch.setattr(backend_mod, "BACKENDS", {"emu": backend_mod.BACKENDS["emu"], "torch": backend_mod.BACKENDS["torch"]})
-    full = ModelConfig(**GEMMA_FULL)
-    sliding = full.replace(sliding_window=8, layer_types=("sliding_attention", "full_attention"))
-    assert select_backend("cpu", torch.float32, full).name == "emu"  # the kernels first, when they can serve
-    assert select_backend("cpu", torch.float32, sliding) is TorchBackend
-    assert select_backend("cpu", torch.float32, ModelConfig.preset("tiny", family="mistral", sliding_window=64)) \
-        is TorchBackend
-    with attn_backend("emu"), pytest.raises(BackendUnavailable, match="do not compute sliding-window attention"):
-        select_backend("cpu", torch.float32, sliding)
-    engine = Engine(CausalLM(sliding).eval(), options=EngineOptions(device="cpu", page_size=4))
-    assert engine.backend.name == "torch"
+    assert select_backend("cpu", torch.float32, ModelConfig(**GEMMA_FULL)).name == "emu"  # the kernels first
+    odd = ModelConfig.preset("tiny", head_dim=12)
+    assert select_backend("cpu", torch.float32, odd) is TorchBackend
+    with attn_backend("emu"), pytest.raises(BackendUnavailable, match="head_dim multiples of 8 up to 256, not 12"):
+        select_backend("cpu", torch.float32, odd)
+    assert Engine(CausalLM(odd).eval(), options=EngineOptions(device="cpu")).backend.name == "torch"
