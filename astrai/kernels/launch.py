@@ -163,7 +163,7 @@ def _check_paged(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, batch: i
            f"kv_indptr has {kv_indptr.shape[0]} entries and kv_lens {kv_lens.shape[0]} for {batch} requests")
 
 
-NO_WINDOW = 1 << 30  # kNoWindow in paged_attention.cuh: a layer without a sliding window
+NO_WINDOW = 1 << 30  # the window the attention kernels get for a layer without a sliding window
 
 
 def _window(window: int | None) -> I32:

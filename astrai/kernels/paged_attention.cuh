@@ -3,8 +3,8 @@
 // with an online (running max / running sum) softmax in base 2 and fp32 accumulation.
 //
 // Guarantees: every K/V position in [kv_begin, kv_end) is read exactly once per block; row r sees
-// only positions in (limit[r] - window, limit[r]] (limit -1 masks a padding row; a window of
-// kNoWindow or more is plain causal attention); m/l/acc of a row that saw nothing are
+// only positions in (limit[r] - window, limit[r]] (limit -1 masks a padding row; the host passes
+// window = 2^30, launch.NO_WINDOW, for plain causal attention); m/l/acc of a row that saw nothing are
 // -inf/0/0, so callers can write 0 and lse = -inf for it. Shared memory holds everything in fp32;
 // the host computes the same layout size in astrai/kernels/launch.py (attn_smem_bytes).
 #pragma once
@@ -20,7 +20,6 @@ static_assert(kAttnTile == kWarpSize, "softmax step maps one lane to one K/V pos
 // per-thread loops issue two shared loads per FMA and are shared-memory bound, not DRAM bound).
 constexpr int kScoreRows = 2;
 constexpr int kAccRows = 2;
-constexpr int kNoWindow = 1 << 30;  // the host passes this for layers without a sliding window
 
 struct AttnSmem {
   float* q;      // [rows, D]   queries, pre-scaled by softmax_scale * log2(e)

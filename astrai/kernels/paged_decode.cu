@@ -3,7 +3,7 @@
 // Grid (num_splits, num_kv_heads, batch), kAttnThreads threads. A block serves all query heads
 // of one KV head (grouped-query attention: K/V read once per group) over one split of the K/V
 // positions it can see, [base + split * split_len, base + (split + 1) * split_len), where base is
-// max(0, kv_len - window) (0 without a sliding window: window = kNoWindow). With one split the
+// max(0, kv_len - window) (0 without a sliding window: window = 2^30). With one split the
 // block writes the normalised output directly; with more it writes an fp32 partial output and its
 // log-sum-exp (base 2) and merge_splits_kernel combines them. A request with kv_len 0 gets zeros.
 // q may be a strided view (token and head strides in elements, last dim contiguous); out is

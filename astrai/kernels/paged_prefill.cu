@@ -4,7 +4,7 @@
 // new tokens included, already written) are the first kv_lens[b] positions of the pages
 // page_indices[kv_indptr[b] ..]. New token i sits at position kv_lens[b] - q_len + i and sees
 // positions <= that (cached prefix + causal over its own tokens), and > that - window (a sliding
-// window; kNoWindow for none): the tile then starts reading at its first token's window.
+// window; 2^30 for none): the tile then starts reading at its first token's window.
 // Grid (q_tiles, num_kv_heads, batch), kAttnThreads threads: a block takes tile_tokens new tokens
 // of one request times the query heads of one KV head, so each K/V tile feeds tile_tokens * group
 // rows. Blocks past a request's q_len exit at once (the grid is sized by the longest request).
