@@ -188,11 +188,12 @@ def file_identity(paths) -> dict:
 OUTPUT_MARKER = ".astrai-output"  # written by astrai into every output directory it owns
 
 
-def is_ours(folder: Path) -> bool:
+def is_ours(folder: Path, marker: str = OUTPUT_MARKER) -> bool:
     """True when `folder` carries the marker astrai writes: never because of a file named like ours
-    (a user's stats.json or .work/ proves nothing)."""
+    (a user's stats.json or .work/ proves nothing). `marker`: another marker's name (a recipe's run
+    directory has its own, so inputs may still be read from inside it)."""
     try:
-        info = json.loads((Path(folder) / OUTPUT_MARKER).read_text())
+        info = json.loads((Path(folder) / marker).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(info, dict) and info.get("written_by") == "astrai"
@@ -202,9 +203,9 @@ def marker_info(folder: Path) -> dict:
     return json.loads((Path(folder) / OUTPUT_MARKER).read_text()) if is_ours(folder) else {}
 
 
-def claim_output(folder: Path, info: dict):
+def claim_output(folder: Path, info: dict, marker: str = OUTPUT_MARKER):
     """Write (or update) the ownership marker; call it only on an empty folder or one `is_ours`."""
-    atomic_write_text(Path(folder) / OUTPUT_MARKER, json.dumps({"written_by": "astrai", **info}, sort_keys=True))
+    atomic_write_text(Path(folder) / marker, json.dumps({"written_by": "astrai", **info}, sort_keys=True))
 
 
 def inside_output(path: Path, exclude: Path | None = None) -> bool:
@@ -222,12 +223,34 @@ class OutputBusy(RuntimeError):
     pass
 
 
+def flock_holder(fd: int) -> Optional[int]:
+    """The pid holding a flock on the file open as `fd`, from /proc/locks (Linux; None elsewhere or
+    when it cannot be told). Lines read `1: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF`;
+    a blocked waiter's line carries `->` and is skipped."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if "->" not in parts and len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == where:
+            try:
+                return int(parts[4])
+            except ValueError:
+                return None
+    return None
+
+
 class output_lock:
     """Exclusive lock on an output directory for a whole run (created if missing).
 
     flock on the directory itself: nothing is written into a directory before it is known to be
     ours, the lock goes with the process on any exit (a crash leaves no stale lock to clean), and a
-    second run into the same directory (another process, or this one) is refused at once."""
+    second run into the same directory (another process, or this one) is refused at once, naming
+    the holder's pid where the system tells it (flock_holder)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -243,10 +266,12 @@ class output_lock:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = flock_holder(self.fd)
             os.close(self.fd)
             self.fd = None
-            raise OutputBusy(f"output {self.folder} is being written by another astrai run; wait for it to finish "
-                             f"or choose another output directory") from None
+            raise OutputBusy(f"output {self.folder} is being written by another astrai run"
+                             + (f" (pid {holder})" if holder else "")
+                             + "; wait for it to finish or choose another output directory") from None
         return self
 
     def __exit__(self, *exc):

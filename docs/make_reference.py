@@ -3,7 +3,7 @@
     python docs/make_reference.py           # (re)write the reference pages
     python docs/make_reference.py --check   # exit 1 when a committed page differs (tests/test_docs.py)
 
-Every key of a pipeline, a recipe stage, `astrai train` and `astrai generate`/`eval` is declared
+Every key of a pipeline, a recipe stage, `astrai train`, `astrai generate`/`eval` and `astrai serve`/`chat` is declared
 once, in a pydantic model with its default and a one-line meaning (astrai.config, astrai.recipe);
 this script renders those declarations as tables. Change a model, rerun it, commit both.
 """
@@ -135,8 +135,17 @@ def generate_page() -> str:
     return "\n".join(lines)
 
 
+def serve_page() -> str:
+    from astrai.config.serve import ChatOptions, ServeOptions
+
+    lines = header("Serve and chat keys", "`astrai serve` and `astrai chat` flags are these keys (`--api-key` for "
+                   "`api_key`; the engine's as in [generate.md](generate.md): `--page-size`, ...). Guide: the README's "
+                   "Serve section.")
+    return "\n".join(lines + section("ServeOptions", ServeOptions) + section("ChatOptions", ChatOptions))
+
+
 PAGES = {"pipeline.md": pipeline_page, "recipe.md": recipe_page, "train.md": train_page,
-         "generate.md": generate_page}
+         "generate.md": generate_page, "serve.md": serve_page}
 
 
 def render() -> dict[str, str]:

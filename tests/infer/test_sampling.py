@@ -80,18 +80,19 @@ def test_draw_follows_the_distribution():
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
 
 
-def test_a_zero_draw_never_picks_a_dropped_token(monkeypatch):
-    """A generator may return an exact 0 (Exp(1) sampled as -log(U) with U = 1): a dropped token's
-    p = 0 must not become 0/0 = NaN, which argmax would take as the maximum."""
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.zero_())
-    logits = torch.tensor([[float("-inf"), 2.0, 1.0, float("-inf")]] * 3)
-    reqs = [req(temperature=1.0), req(temperature=0.8, seed=1), req(temperature=1.0, top_k=1)]
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2 ** -24])  # the ends of what torch.rand returns
+def test_extreme_uniforms_never_pick_a_dropped_token(monkeypatch, u):
+    """Whatever the generator returns, a token of probability 0 (dropped by a warper, or -inf) is never drawn,
+    at either end of the vocabulary or between kept ones."""
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k).fill_(u))
+    probs = torch.tensor([[0.0, 0.0, 0.7, 0.0, 0.3, 0.0]] * 2)
+    reqs = [req(temperature=1.0), req(temperature=1.0, seed=1)]
+    assert draw(probs, reqs).tolist() == [[2, 2], [4, 4]][u > 0.5]
+    logits = torch.tensor([[float("-inf"), 2.0, float("-inf"), 1.0, float("-inf")]] * 3)
+    reqs = [req(temperature=1.0), req(temperature=0.8, seed=1), req(temperature=1.0, top_p=0.5)]
     tokens, _ = sample(logits, reqs)
-    assert tokens == [1, 1, 1]  # every kept token ties at p / tiny = inf: the first one wins, never a dropped one
-    probs = torch.tensor([[0.0, 0.0, 0.7, 0.3]])
-    zeros_at_0_and_3 = lambda self, *a, **k: self.fill_(1.0).index_fill_(-1, torch.tensor([0, 3]), 0.0)  # noqa: E731
-    monkeypatch.setattr(torch.Tensor, "exponential_", zeros_at_0_and_3)
-    assert draw(probs, [req(temperature=1.0)]).tolist() == [3]  # 0.3 / tiny beats 0.7 / 1; token 0 (p = 0) never
+    assert tokens == [[1, 1, 1], [3, 3, 1]][u > 0.5]  # top_p=0.5 keeps token 1 only
 
 
 def test_seed_gives_same_tokens_whatever_the_batch():

@@ -51,14 +51,14 @@ def test_tokenizer_then_preprocess_with_holdout(recipe):
     assert m["records_kept"] == 54 and m["val_records_kept"] == 6 and 0 < m["trained_tokens"] < m["tokens"]
 
     assert [x["status"] for x in run(recipe)["stages"]] == ["skipped", "skipped"]
-    assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2"])["stages"]] == ["skipped", "ran"]
+    assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2"])["stages"]] == ["skipped", "replaced"]
     assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2", "tokenizer.vocab_size=420"])["stages"]] \
-        == ["ran", "ran"]
+        == ["replaced", "replaced"]
     # an edit to the pipeline file is an input change: preprocess reruns, the tokenizer does not
     pipeline = recipe.parent / "sft.yaml"
     pipeline.write_text(pipeline.read_text().replace("max_seq_len: 256", "max_seq_len: 200"))
     assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2", "tokenizer.vocab_size=420"])["stages"]] \
-        == ["skipped", "ran"]
+        == ["skipped", "replaced"]
 
 
 def test_bad_pipeline_and_missing_tokenizer_are_refused_before_work(recipe):

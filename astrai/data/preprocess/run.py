@@ -30,9 +30,10 @@ from astrai.data.preprocess.summary import summary_lines
 from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition
 from astrai.data.process import Processor
 from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_partitions
+from astrai.data.shard_check import shard_record, verify_cheap
 from astrai.data.stats import dataset_stats
 from astrai.text.template import resolve_template
-from astrai.text.tokenizer import load_tokenizer
+from astrai.text.tokenizer import content_digest, load_tokenizer
 from astrai.runtime import (OUTPUT_MARKER, OutputBusy, Progress, atomic_write_text, claim_output, file_identity,
                             is_done, is_ours, marker_info, output_lock, read_marker, remove_stale_tmp, run_tasks)
 
@@ -95,7 +96,7 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     holdout = holdout.with_offsets(parts) if holdout is not None else None
     fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests, holdout)
     manifest = outp / "manifest.json"
-    if is_ours(outp) and manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
+    if is_ours(outp) and manifest.exists() and _current(outp, manifest, fp, log):
         shutil.rmtree(outp / WORK, ignore_errors=True)  # left if a run died right after its manifest
         log(f"{out}: up to date (fingerprint {fp[:12]}), nothing to do")
         return json.loads((outp / "stats.json").read_text())
@@ -139,11 +140,13 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
         "format_version": FORMAT_VERSION,
         "fingerprint": fp,
         "pipeline": json.loads(pipeline.model_dump_json()),
-        "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint},
+        "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint,
+                      "content": content_digest(worker.processor.tok)},
         "chat_template": template.name if template else None,
         "inputs": [str(f) for f in files],
         **({"holdout": holdout.describe()} if holdout is not None else {}),
         "shards": shards,
+        "shard_checks": {sh: shard_record(outp / sh) for sh in shards},  # verified by every reader
         "columns": _columns(outp, shards),
         "counts": {k: stats[k] for k in ("records_read", "records_kept", "records_filtered", "records_rejected",
                                          "rows", "tokens")},
@@ -153,6 +156,22 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     for line in summary_lines(stats, out, len(shards)):
         log(line)
     return stats
+
+
+def _current(outp: Path, manifest: Path, fp: str, log: Callable[[str], None]) -> bool:
+    """The output of fingerprint `fp` is on disk as its manifest recorded it (shard sizes and row
+    counts: astrai.data.shard_check); shards changed by hand are made again."""
+    try:
+        man = json.loads(manifest.read_text())
+    except ValueError:
+        return False
+    if man.get("fingerprint") != fp:
+        return False
+    if not verify_cheap(outp, man):
+        log(f"{outp}: its shards differ from what its manifest recorded (changed by hand?): making them again")
+        (outp / WORK / "fingerprint").unlink(missing_ok=True)  # nothing of the old run is resumed
+        return False
+    return True
 
 
 def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[Path],
