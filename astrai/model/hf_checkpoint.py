@@ -37,7 +37,7 @@ from astrai.model.weights import (IGNORED_SUFFIXES, available_memory, check_tens
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float64: "float64"}
 
-__all__ = ["CONFIG", "INDEX", "WEIGHTS", "eos_token_ids", "load_model", "model_state", "read_config", "read_tensors", "save_model"]
+__all__ = ["CONFIG", "INDEX", "WEIGHTS", "load_model", "model_state", "read_config", "read_tensors", "save_model"]
 
 
 def _tmp(path: Path) -> Path:
@@ -86,21 +86,6 @@ def read_config(directory: Union[str, os.PathLike]) -> ModelConfig:
     if not (d / CONFIG).exists():
         raise ModelFileError(f"{d / CONFIG}: no config.json; expected a Hugging Face model directory")
     return ModelConfig.from_hf(read_json(d / CONFIG, "config.json"), str(d / CONFIG))
-
-
-def eos_token_ids(directory: Union[str, os.PathLike], config: ModelConfig) -> list[int]:
-    """End-of-sequence ids from config.json and generation_config.json (checked: ids or lists of ids)."""
-    out = []
-    gen_path = Path(directory) / "generation_config.json"
-    gen = read_json(gen_path, "generation config") if gen_path.exists() else {}
-    if not isinstance(gen, dict):
-        raise ModelFileError(f"{gen_path}: expected a JSON object, got {type(gen).__name__}")
-    for where, e in ((CONFIG, config.eos_token_id), (gen_path.name, gen.get("eos_token_id"))):
-        ids = e if isinstance(e, list) else [] if e is None else [e]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ModelFileError(f"{Path(directory) / where}: eos_token_id {e!r} is not a token id or a list of them")
-        out += ids
-    return out
 
 
 def _read(headers: dict, keep=lambda name: True) -> dict[str, torch.Tensor]:
