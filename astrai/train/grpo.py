@@ -29,7 +29,7 @@ import torch
 from astrai.model.scores import choice_figures, reward_figures
 from astrai.schema import IGNORE_INDEX
 from astrai.train.batches import collate_grpo
-from astrai.train.strategies import Env, Strategy, doc_sums, forward, unwrap
+from astrai.train.strategies import Env, Strategy, doc_sums, forward, softcap, unwrap
 from astrai.train.lm_loss import token_logprobs
 
 
@@ -64,7 +64,7 @@ class GRPOStrategy(Strategy):
     def _token_logps(self, model, batch, env):
         hidden, aux = forward(model, batch, env)
         return token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss,
-                              env.loss_chunk), aux
+                              env.loss_chunk, softcap(model)), aux
 
     @torch.no_grad()
     def prepare(self, model, batches, indices, env):

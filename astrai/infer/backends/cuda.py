@@ -3,9 +3,12 @@
 Fused in-place RoPE, a scatter KV write, ragged paged prefill and split-KV paged decode, all on the
 engine's paged cache and AttentionMeta directly (no gather of K/V into a dense copy). Chosen
 automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there and the
-kernels serve the model's heads (`serves`: head_dim a multiple of 8 up to 256, and a GQA group x
-head_dim whose attention block fits the kernels' shared memory); otherwise the engine takes the
-torch backend before any request, and forcing cuda raises BackendUnavailable with the reason.
+model's attention is one the kernels serve (`serves`: head_dim a multiple of 8 up to 256, and a
+GQA group x head_dim whose attention block fits the kernels' shared memory; otherwise the torch
+backend is chosen before any request, and building this one for such a cache raises
+BackendUnavailable with the way out). The kernels take each layer's softmax scale and
+sliding window (prefill starts each tile at its first token's window; decode splits cover only a
+request's last `window` positions).
 """
 
 from __future__ import annotations
@@ -22,10 +25,9 @@ class CudaBackend(AttentionBackend):
 
     def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], executor=None):
         super().__init__(k_cache, v_cache)
-        head_dim = k_cache[0].shape[-1] if k_cache else 0
-        if head_dim % 8 or not 0 < head_dim <= 256:
-            raise BackendUnavailable(f"the cuda kernels serve head_dim multiples of 8 up to 256, not {head_dim}; "
-                                     f"use {ENV_VAR}=torch")
+        ok, why = _head_dim_served(k_cache[0].shape[-1] if k_cache else 0)
+        if not ok:
+            raise BackendUnavailable(f"{why}; use {ENV_VAR}=torch")
         if executor is None:
             from astrai.kernels.cupy_exec import CupyExecutor
 
@@ -47,8 +49,8 @@ class CudaBackend(AttentionBackend):
         return True, ""
 
     @classmethod
-    def serves(cls, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[bool, str]:
-        problem = attention_shape_problem(num_heads, num_kv_heads, head_dim)
+    def serves(cls, config) -> tuple[bool, str]:
+        problem = attention_shape_problem(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         return problem is None, problem or ""
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
@@ -57,8 +59,14 @@ class CudaBackend(AttentionBackend):
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.ops.write_kv(layer, k, v, slots)
 
-    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        return self.ops.prefill(layer, q, meta)
+    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window=None, scale=None) -> torch.Tensor:
+        return self.ops.prefill(layer, q, meta, window, scale)
 
-    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        return self.ops.decode(layer, q, meta)
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window=None, scale=None) -> torch.Tensor:
+        return self.ops.decode(layer, q, meta, window, scale)
+
+
+def _head_dim_served(head_dim: int) -> tuple[bool, str]:
+    if head_dim % 8 or not 0 < head_dim <= 256:
+        return False, f"the cuda kernels serve head_dim multiples of 8 up to 256, not {head_dim}"
+    return True, ""
