@@ -5,6 +5,7 @@ columns below give p(.|0) = [1/8, 2/8, 5/8], p(.|1) = [3/5, 1/5, 1/5], p(.|2) = 
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ class Stub(torch.nn.Module):
     def __init__(self, w):
         super().__init__()
         self.lm_head = torch.nn.Linear(3, 3, bias=False)
+        self.config = SimpleNamespace(final_logit_softcapping=None)  # what the losses read of a model's config
         with torch.no_grad():
             self.lm_head.weight.copy_(w)
 
