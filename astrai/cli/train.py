@@ -52,7 +52,12 @@ def run(args) -> int:
     if opts.data is None:
         raise ConfigError(args.config, [Problem("data", "data is required (a preprocessed directory)")])
     try:
-        result = run_train(opts)
+        if opts.rollout is not None:
+            from astrai.rl.online import run_online_grpo
+
+            result = run_online_grpo(opts)
+        else:
+            result = run_train(opts)
     except TrainConfigError as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 1

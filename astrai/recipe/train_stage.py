@@ -52,7 +52,8 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
     problems = []
     data = upstream.get("data") or {}
     kind = data.get("data_kind")
-    if kind is not None and kind not in STRATEGY_DATA[options.strategy]:
+    online = options.rollout is not None  # online grpo trains on prompts: single-output rows
+    if kind is not None and kind not in (("labels", "text") if online else STRATEGY_DATA[options.strategy]):
         fix = {"text": "use strategy: seq for plain text, or a pipeline with mask rules",
                "dpo": "use strategy: dpo", "grpo": "use strategy: grpo",
                "labels": "use strategy: sft (or a pipeline with sources for dpo/grpo)"}[kind]
@@ -111,7 +112,12 @@ def run_train_stage(ctx) -> dict:
     callbacks = [_InitialValidation(metrics_file)] if val_dir else []
     ctx.log(f"training {options.model} ({options.strategy}) on {train_dir}" + (f", validating on {val_dir}"
                                                                                  if val_dir else ""))
-    result = run_train(options, callbacks=callbacks)
+    if options.rollout is not None:
+        from astrai.rl.online import run_online_grpo
+
+        result = run_online_grpo(options, callbacks=callbacks)
+    else:
+        result = run_train(options, callbacks=callbacks)
     if result.get("stopped") is not None:
         # a signal stopped training after a checkpoint: not done; `astrai run` again resumes it
         raise KeyboardInterrupt(f"training stopped by signal {result['stopped']} at step {result['steps']}")
