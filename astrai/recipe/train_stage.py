@@ -136,12 +136,14 @@ def continued_from(model: Path) -> Path:
 
 
 def train_metrics(result: dict, metrics_file: Path) -> dict:
-    train, val = [], []
+    train, val, reward = [], [], []
     if metrics_file.exists():
         for line in metrics_file.read_text().splitlines():
             rec = json.loads(line)
             if rec.get("loss") is not None:
                 train.append([rec["step"], rec["loss"]])
+            if rec.get("reward_mean") is not None:  # online grpo: the mean reward of the step's completions
+                reward.append([rec["step"], rec["reward_mean"]])
             if rec.get("val_loss") is not None:
                 val.append([rec["step"], rec["val_loss"]])
     # a resumed run may have logged a step twice (after its last checkpoint): keep the latest record
@@ -154,6 +156,13 @@ def train_metrics(result: dict, metrics_file: Path) -> dict:
         out["val_loss"] = val[-1][1]
         out["val_loss_drop"] = val[0][1] - val[-1][1]
     out["loss_curve"] = {"train": [list(p) for p in train], "val": [list(p) for p in val]}
+    reward = sorted({s: v for s, v in reward}.items())
+    if reward:
+        fifth = max(1, len(reward) // 5)  # the mean reward of the first and the last 20% of the steps
+        out["reward_first"] = sum(v for _, v in reward[:fifth]) / fifth
+        out["reward_last"] = sum(v for _, v in reward[-fifth:]) / fifth
+        out["reward_rise"] = out["reward_last"] - out["reward_first"]
+        out["loss_curve"]["reward"] = [list(p) for p in reward]
     return out
 
 

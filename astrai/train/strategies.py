@@ -17,7 +17,8 @@ the seed divided each micro-batch's mean by the number of micro-steps instead).
         estimator), A the group-normalised advantage of the completion; units = completion tokens
         (loss_type token/dapo), sequences (grpo) or sequences * L (dr_grpo): astrai.train.grpo_loss.
         pi_old is the policy when the batch was drawn: `prepare` records it, then the trainer runs
-        `updates` optimizer steps on the same batch, so the clip acts from the second update on.
+        `updates` optimizer steps on the same batch, so the clip acts from the second update on
+        (with one update, pi_old = pi detached: the ratio is 1 and no extra forward is run).
 
 MoE: the load-balancing loss of each forward is added as coef * aux * (micro units / step units),
 so it too sums to one weighted mean per step; task loss, aux and weighted aux are logged apart.
@@ -170,7 +171,8 @@ class GRPOStrategy(Strategy):
     @torch.no_grad()
     def prepare(self, model, batches, indices, env):
         for b in batches:
-            b["old_logps"] = self._token_logps(model, b, env)[0]
+            if self.updates > 1:  # one update: pi_old is the policy of that update itself (ratio 1), no forward
+                b["old_logps"] = self._token_logps(model, b, env)[0]
             if self.kl_coef and self.ref is not None:
                 b["ref_logps"] = self._token_logps(self.ref, b, env)[0]
         # token counts (clip fractions, KL) are logged per completion token whatever the step's units
@@ -184,7 +186,8 @@ class GRPOStrategy(Strategy):
         valid = batch["targets"] != IGNORE_INDEX
         doc, lens = self._docs(batch)
         adv = torch.repeat_interleave(batch["advantages"].to(device=logp.device, dtype=logp.dtype), lens)
-        t = grpo_loss.per_token_terms(logp, batch["old_logps"], adv, self.eps_low, self.eps_high,
+        old = batch["old_logps"] if "old_logps" in batch else logp.detach()
+        t = grpo_loss.per_token_terms(logp, old, adv, self.eps_low, self.eps_high,
                                       batch.get("ref_logps"), self.kl_coef)
         scale = batch.get("metric_scale", 1.0)
         low, high = float(t["clip_low"][valid].sum()) * scale, float(t["clip_high"][valid].sum()) * scale
