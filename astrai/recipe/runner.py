@@ -160,6 +160,9 @@ class Runner:
         if not force and done and state.get("fingerprint") == fp:
             change = sd.changed(_stamp(kind))
             if change is None:
+                if "pending" in state:  # a replacement for options given up since: no longer wanted
+                    sd.clear_next()
+                    sd.write_state({k: v for k, v in state.items() if k != "pending"})
                 self.log(f"[{stage.name}] up to date (fingerprint {fp[:12]}): skipped")
                 return self._row(stage, "skipped", None)
             self.log(f"[{stage.name}] its output changed since it was made ({change}): running it again")

@@ -154,6 +154,16 @@ def test_ctrl_c_during_a_replacement_keeps_the_last_output_and_the_rerun_resumes
         "stages"][2]["metrics"]["train_loss"]
 
 
+def test_a_replacement_given_up_is_cleared_when_the_old_options_come_back(run):
+    run()
+    with pytest.raises(KeyboardInterrupt):
+        run(overrides=["fit.lr=0.25", "fit.stop_at=2"])
+    assert (run.root / "fit" / "output.next").exists()
+    assert statuses(run())["fit"] == "skipped"  # the previous options again: the kept output is current
+    assert not (run.root / "fit" / "output.next").exists()
+    assert "pending" not in json.loads((run.root / "fit" / "stage.json").read_text())
+
+
 def test_a_kill_during_the_swap_is_put_in_order(run, calls, monkeypatch):
     run()
     real = os.replace

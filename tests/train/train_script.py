@@ -71,6 +71,8 @@ class KillAt(Callback):
 
     def on_batch_end(self, trainer):
         if trainer.state.at_boundary and trainer.state.global_step == self.step:
+            if trainer.dist.active:  # every rank has logged this step before any of them dies
+                torch.distributed.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
