@@ -34,7 +34,7 @@ def load_train_config(path, overrides=()) -> TrainOptions:
                 or Path(value).is_absolute():  # a bare model name is a size preset
             continue
         fixed[key] = str(base / value)
-    return opts.model_copy(update=fixed)
+    return opts.model_copy(update=fixed).with_reward_files_under(base)
 
 
 # finished units of work are kept (completion markers, checkpoints); what was half-written is redone

@@ -199,6 +199,20 @@ class TrainOptions(StrictModel):
                                                            "skipped (counted) before training stops; 0: stop at "
                                                            "the first")
 
+    def with_reward_files_under(self, base) -> "TrainOptions":
+        """Reward functions given as a relative 'file.py:name' are files next to the config (or recipe)."""
+        from pathlib import Path
+
+        def fix(spec: Optional[RewardSpec]):
+            if spec is None or spec.function is None:
+                return spec
+            module, _, name = spec.function.rpartition(":")
+            if (module.endswith(".py") or "/" in module) and not Path(module).is_absolute():
+                return spec.model_copy(update={"function": f"{Path(base) / module}:{name}"})
+            return spec
+
+        return self.model_copy(update={"reward": fix(self.reward), "rewards": [fix(r) for r in self.rewards]})
+
     @classmethod
     def combination_problems(cls, data) -> list[tuple[tuple, str]]:
         p = []

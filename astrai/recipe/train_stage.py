@@ -108,6 +108,7 @@ def run_train_stage(ctx) -> dict:
         fields["model"] = str(continued_from(Path(ctx.inputs["model"])))
     options = TrainOptions(**fields, data=str(train_dir), output=str(ctx.output),
                            val_data=str(val_dir) if val_dir else None)
+    options = options.with_reward_files_under(ctx.base_dir)
     metrics_file = ctx.output / "metrics.jsonl"
     callbacks = [_InitialValidation(metrics_file)] if val_dir else []
     ctx.log(f"training {options.model} ({options.strategy}) on {train_dir}" + (f", validating on {val_dir}"

@@ -14,7 +14,7 @@ over the configured functions (`rewards: [{name: ..., weight: ...}, ...]`). Buil
                  for a completion cut at max_tokens (or longer than L_max).
 
 A user function is `function: "module:name"` (an importable module) or `"path/file.py:name"` (a
-file, relative to the working directory unless absolute): the user's own code, loaded on purpose
+file; `astrai train` and recipes read a relative path from the config's or recipe's folder): the user's own code, loaded on purpose
 from the config, never from the data. It is called as `name(completion, sample)`, where sample is
 a dict: `prompt` (text), `completion_tokens`, `truncated`, and the row's value columns (e.g.
 `answer`). A function that raises or gives something other than a finite number fails that one

@@ -95,3 +95,11 @@ def test_options_are_checked():
         TrainOptions(output="o", strategy="grpo", rewards=[{"name": "numeric_match"}])
     assert not math.isnan(TrainOptions(output="o", strategy="grpo", rollout={"group_size": 4},
                                        reward={"function": "m:f"}).rollout.temperature)
+
+
+def test_reward_files_are_read_next_to_the_config(tmp_path):
+    opts = TrainOptions(output="o", strategy="grpo", rollout={}, reward={"function": "r.py:f"},
+                        rewards=[{"function": "pkg.mod:g"}, {"function": "/abs/x.py:h"}, {"name": "numeric_match"}])
+    fixed = opts.with_reward_files_under(tmp_path)
+    assert fixed.reward.function == f"{tmp_path}/r.py:f"
+    assert [r.function for r in fixed.rewards] == ["pkg.mod:g", "/abs/x.py:h", None]
