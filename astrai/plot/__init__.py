@@ -7,7 +7,7 @@
   and their margin, on training batches and on held-out pairs; "DPO reward accuracy": the share
   of pairs whose chosen answer has the higher reward (0.5 is chance);
 - "GRPO reward": the data's mean reward per step and the policy-weighted reward of the candidates
-  (astrai.train.grpo), on training batches and held-out groups; "GRPO choice accuracy".
+  (astrai.model.scores), on training batches and held-out groups; "GRPO choice accuracy".
 A panel appears when its metrics were logged. A step logged twice (a resumed run repeats the steps
 after its last checkpoint) keeps its latest value.
 

@@ -54,7 +54,8 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
     problems = []
     data = upstream.get("data") or {}
     kind = data.get("data_kind")
-    if kind is not None and kind not in STRATEGY_DATA[options.strategy]:
+    online = options.rollout is not None  # online grpo trains on prompts: single-output rows
+    if kind is not None and kind not in (("labels", "text") if online else STRATEGY_DATA[options.strategy]):
         fix = {"text": "use strategy: seq for plain text, or a pipeline with mask rules",
                "dpo": "use strategy: dpo", "grpo": "use strategy: grpo",
                "labels": "use strategy: sft (or a pipeline with sources for dpo/grpo)"}[kind]
@@ -109,14 +110,20 @@ def run_train_stage(ctx) -> dict:
         fields["model"] = str(continued_from(Path(ctx.inputs["model"])))
     options = TrainOptions(**fields, data=str(train_dir), output=str(ctx.output),
                            val_data=str(val_dir) if val_dir else None)
+    options = options.with_reward_files_under(ctx.base_dir)
     metrics_file = ctx.output / "metrics.jsonl"
     ctx.log(f"training {options.model} ({options.strategy}) on {train_dir}" + (f", validating on {val_dir}"
                                                                                  if val_dir else ""))
-    result = run_train(options)
+    if options.rollout is not None:
+        from astrai.rl.online import run_online_grpo
+
+        result = run_online_grpo(options)
+    else:
+        result = run_train(options)
     if result.get("stopped") is not None:
         # a signal stopped training after a checkpoint: not done; `astrai run` again resumes it
         raise KeyboardInterrupt(f"training stopped by signal {result['stopped']} at step {result['steps']}")
-    return train_metrics(result, metrics_file, options.strategy)
+    return train_metrics(result, metrics_file, options.strategy, online=options.rollout is not None)
 
 
 def continued_from(model: Path) -> Path:
@@ -130,11 +137,12 @@ def continued_from(model: Path) -> Path:
     return model
 
 
-def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft") -> dict:
-    """The stage's key figures (first and last of each validation figure; the drop of val_loss) and
-    its curves for the run's loss.png (astrai.plot). GRPO's validation loss is left out of the
-    figures: with the old policy equal to the current one it is -sum(advantage * tokens) plus the
-    KL, which says nothing about learning (its held-out policy-weighted reward does)."""
+def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft", online: bool = False) -> dict:
+    """The stage's key figures (first and last of each validation figure; the drop of val_loss; for
+    online GRPO the mean reward of the first and the last 20% of the steps) and its curves for the
+    run's loss.png (astrai.plot). GRPO's validation loss is left out of the figures: with the old
+    policy equal to the current one it is -sum(advantage * tokens) plus the KL, which says nothing
+    about learning (its held-out policy-weighted reward does)."""
     from astrai.plot import curves
     from astrai.train.summary import figures, read_records
 
@@ -148,5 +156,12 @@ def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft") -> di
     out |= {k: v for k, v in f.items() if k.startswith("val_")}
     if "val_loss" in f:
         out["val_loss_drop"] = f["val_loss_start"] - f["val_loss"]
+    # a resumed run may have logged a step twice (after its last checkpoint): keep the latest record
+    reward = sorted({r["step"]: r["reward_mean"] for r in records if r.get("reward_mean") is not None}.items())
+    if online and reward:  # sampled by the policy itself, its rewards show learning (offline: the data's)
+        fifth = max(1, len(reward) // 5)  # the mean reward of the first and the last 20% of the steps
+        out["reward_first"] = sum(v for _, v in reward[:fifth]) / fifth
+        out["reward_last"] = sum(v for _, v in reward[-fifth:]) / fifth
+        out["reward_rise"] = out["reward_last"] - out["reward_first"]
     out["loss_curve"] = curves(records)
     return out

@@ -221,6 +221,10 @@ class Trainer:
         return self.state
 
     def _batches(self, window: list[list[int]], dataset=None) -> list[dict]:
+        draw = getattr(self.strategy, "draw", None)
+        if draw is not None and dataset is None:  # a strategy that makes its batches from the rows (online GRPO samples them)
+            out = draw(self.raw_model, window, self.state.global_step)
+            return [{k: v.to(self.dist.device) if torch.is_tensor(v) else v for k, v in b.items()} for b in out]
         dataset = self.dataset if dataset is None else dataset
         out = []
         for idx in window:
@@ -283,6 +287,7 @@ class Trainer:
             m["aux_loss"] = aux / forwards
             m["aux_loss_weighted"] = self.aux_coef * m["aux_loss"]
         m |= totals
+        m.update(getattr(self.strategy, "step_metrics", None) or {})  # what the strategy measured drawing the step
         if not finite:
             m.update(skipped=True, skipped_nonfinite=st.skipped_nonfinite)
         st.step_metrics = m

@@ -63,6 +63,31 @@ def test_training_forward_on_packed_rows_equals_each_document_alone(family):
         torch.testing.assert_close(got[start:start + len(d)], ref, atol=1e-4, rtol=0)
 
 
+def test_eval_perplexity_equals_transformers_loss_on_each_document_alone(family):
+    """`astrai eval`'s perplexity on packed rows (windows, Gemma's scale and soft-capping included): the
+    mean loss over trained labels equals transformers' over the same labels with each document alone."""
+    from astrai.infer.perplexity import perplexity
+    from astrai.schema import IGNORE_INDEX
+
+    name, hf, path = family
+    docs = [[_doc(21, 17), _doc(22, 26)], [_doc(23, 9), _doc(24, 4), _doc(25, 20)]]  # two packed rows
+    rows, nll, count = [], 0.0, 0
+    for row in docs:
+        labels = [[IGNORE_INDEX] * (len(d) // 3) + d[len(d) // 3:] for d in row]  # a masked prompt, then trained
+        rows.append({"input_ids": torch.tensor([t for d in row for t in d]),
+                     "position_ids": torch.cat([torch.arange(len(d)) for d in row]),
+                     "labels": torch.tensor([t for lab in labels for t in lab]),
+                     "seq_lens": torch.tensor([len(d) for d in row])})
+        for d, lab in zip(row, labels):
+            lp = hf_logits(hf, d)[:-1].double().log_softmax(-1)
+            trained = [(i, t) for i, t in enumerate(lab[1:]) if t != IGNORE_INDEX]
+            nll -= sum(lp[i, t].item() for i, t in trained)
+            count += len(trained)
+    got = perplexity(load_model(path).eval(), rows, batch_tokens=40)  # two batches: one row each
+    assert got["documents"] == 5 and got["rows"] == 2 and got["trained_tokens"] == count
+    assert got["loss"] == pytest.approx(nll / count, abs=1e-5)
+
+
 def _recording(engine):
     """Wrap the runner: every sampled row's logits with the tokens they were computed from."""
     seen = []

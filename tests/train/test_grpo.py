@@ -17,10 +17,19 @@ import train_script as ts  # noqa: E402
 from test_strategies import LOG, policy, uniform  # noqa: E402
 
 from astrai.train import resume  # noqa: E402
-from astrai.train.grpo import GRPOStrategy, clipped_surrogate, k3  # noqa: E402
-from astrai.train.strategies import Env, make_strategy  # noqa: E402
+from astrai.train.grpo_loss import per_token_terms  # noqa: E402
+from astrai.train.strategies import Env, GRPOStrategy, make_strategy  # noqa: E402
 from astrai.train.trainer import Trainer, add_metrics, reduce_metrics  # noqa: E402
 from astrai.train.distributed import Dist  # noqa: E402
+
+
+def clipped_surrogate(logp, old, adv, eps_low, eps_high=None):
+    t = per_token_terms(logp, old, adv, eps_low, eps_low if eps_high is None else eps_high)
+    return t["loss"], t["clip_low"], t["clip_high"]
+
+
+def k3(logp, ref):
+    return per_token_terms(logp, logp.detach(), torch.zeros_like(logp), 0.2, 0.2, ref, 1.0)["kl"]
 
 
 def test_clip_counts_only_the_side_that_removes_the_gradient():
@@ -63,7 +72,7 @@ def test_grpo_loss_and_figures_by_hand():
     s, _, m = st.loss(policy(), b, Env())
     assert st.units(b) == 4
     assert float(s.detach()) == pytest.approx((-1.2 + 0.8 - 0.5 + 1.5) * a + 0.1 * (1 - LOG(2)), abs=1e-5)
-    assert m["clip_low"] == 1.0 and m["clip_high"] == 1.0  # the two unclipped-by-sign tokens are not counted
+    assert m["clip_low_fraction"] == 1.0 and m["clip_high_fraction"] == 1.0  # the two unclipped-by-sign tokens are not counted
     assert m["kl"] == pytest.approx(1 - LOG(2), abs=1e-6)
     # the data's rewards; the policy's choice among the four: softmax of [5, 2, 1, 2] / 8 = [.5, .2, .1, .2]
     assert m["reward_mean"] == (2.0, 4.0) and m["reward_std"][0] == pytest.approx(math.sqrt(1 / 3))
@@ -78,7 +87,7 @@ def test_grpo_prepare_records_the_old_policy():
     b = st.collate(rows)
     st.prepare(policy(), [b], [[0]], Env())
     s, _, m = st.loss(policy(), b, Env())
-    assert float(s.detach()) == 0.0 and m["clip_low"] == m["clip_high"] == 0.0  # ratio 1, advantage 0
+    assert float(s.detach()) == 0.0 and m["clip_low_fraction"] == m["clip_high_fraction"] == 0.0  # ratio 1, advantage 0
     torch.testing.assert_close(b["old_logps"][:2], torch.tensor([LOG(5 / 8), LOG(1 / 3)]))
 
 
@@ -114,7 +123,7 @@ def test_max_steps_and_log_every_are_exact_between_updates(tmp_path, log_every, 
     train = [r["step"] for r in state.history if "loss" in r]
     val = [r["step"] for r in state.history if "val_loss" in r]
     assert train == logged and val == [0, 1, 2, 3]  # step 0: before training
-    assert all(set(r) >= {"clip_low", "clip_high", "reward_mean", "policy_reward"} for r in state.history
+    assert all(set(r) >= {"clip_low_fraction", "clip_high_fraction", "reward_mean", "policy_reward"} for r in state.history
                if "loss" in r)
     assert all("val_policy_reward" in r for r in state.history if "val_loss" in r)
     assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step-*"))] == ["step-00000002"]
