@@ -13,7 +13,7 @@ share them.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -25,7 +25,7 @@ _DEVICE = re.compile(r"(auto|cpu|mps|cuda(:\d+)?)")
 class SamplingParams(BaseModel):
     """How to pick each next token and when to stop (vLLM's names and meanings where they exist)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # temperature inf is a mistake
 
     max_tokens: int = Field(16, ge=1, description="most tokens to generate")
     temperature: float = Field(1.0, ge=0.0, description="softmax temperature; 0 = greedy (argmax)")
@@ -35,7 +35,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, description="> 1 discourages tokens already in prompt or output")
     seed: Optional[int] = Field(None, description="per-request seed: same seed, same output, whatever the batch")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the text)")
-    stop_token_ids: list[int] = Field(default_factory=list, description="stop when one of these ids is sampled")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="stop when one of these ids is sampled")
     ignore_eos: bool = Field(False, description="keep going past the tokenizer's end-of-sequence token")
     logprobs: Optional[int] = Field(None, ge=0, description="return the chosen token's logprob and this many top ones")
 
