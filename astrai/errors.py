@@ -62,6 +62,11 @@ class RecordError(Exception):
         return {"file": self.file, "line": self.line, "key": self.key, "reason": self.reason, "detail": self.detail}
 
 
+class ModelFileError(InputError, ValueError):
+    """A model directory, config.json or weights file that astrai refuses to load (it names the file and
+    the key or tensor). A ValueError too, so callers that catch bad values catch it."""
+
+
 # ---------------------------------------------------------------------------------------------
 # regular files only
 

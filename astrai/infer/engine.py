@@ -96,7 +96,8 @@ class Engine:
                        self.device)
         self.pool = PagePool(num_pages, o.page_size, o.max_running,
                              min(num_pages * o.page_size, c.max_position_embeddings), o.prefix_cache, self.device)
-        self.backend = select_backend(self.device, dtype)(kv.k_cache, kv.v_cache)
+        self.model.reserve_positions(self.pool.max_context)  # fused RoPE kernels read the table unchecked
+        self.backend = select_backend(self.device, dtype, c)(kv.k_cache, kv.v_cache)
         self.scheduler = Scheduler(self.pool, o.max_running, o.max_step_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, compile=o.compile,
                                   cuda_graphs=o.cuda_graphs)
