@@ -13,7 +13,7 @@ share them.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -35,7 +35,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, description="> 1 discourages tokens already in prompt or output")
     seed: Optional[int] = Field(None, description="per-request seed: same seed, same output, whatever the batch")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the text)")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="stop when one of these ids is sampled")
+    stop_token_ids: list[int] = Field(default_factory=list, description="stop when one of these ids is sampled")
     ignore_eos: bool = Field(False, description="keep going past the tokenizer's end-of-sequence token")
     logprobs: Optional[int] = Field(None, ge=0, description="return the chosen token's logprob and this many top ones")
 
@@ -47,6 +47,8 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(self):
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (>= 0), got {self.stop_token_ids}")
         return self
 
 
