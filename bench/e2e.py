@@ -118,10 +118,10 @@ def floor_child(args):
     proc = Processor(pipe, load_tokenizer(TOKENIZER, str(ROOT), pipe.added_tokens), str(ROOT))
     with open(args.input, encoding="utf-8") as fh:
         texts = [proc.template.render(json.loads(line)["messages"], special_tokens=proc.special) for line in fh]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = sum(len(e.ids) for i in range(0, len(texts), 1000)
                  for e in proc.tok.tok.encode_batch(texts[i:i + 1000], add_special_tokens=False))
-    print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": tokens}))
+    print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0, "tokens": tokens}))
 
 
 def whole_process(input_path: Path, out: Path, workers: int, tree: Path = ROOT) -> dict:
@@ -131,13 +131,16 @@ def whole_process(input_path: Path, out: Path, workers: int, tree: Path = ROOT) 
            str(input_path), "-o", str(out), "--workers", str(workers), "--tokenizer", TOKENIZER]
     cmd += [a for s in FLOOR_SETS for a in ("--set", s)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    t0 = time.perf_counter()
+    import resource
+
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, cwd=str(tree), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    seconds = time.perf_counter() - t0
+    seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)  # the process and its workers
     stats = json.loads((out / "stats.json").read_text())
     digest, _ = output_digest(out)
     shutil.rmtree(out)
-    return {"seconds": seconds, "tokens": stats["tokens_written"], "digest": digest}
+    return {"seconds": seconds, "cpu": cpu, "tokens": stats["tokens_written"], "digest": digest}
 
 
 def floor_ratio(input_path: Path, tmp: Path, repeats: int, before: Path | None = None) -> float:
@@ -149,6 +152,7 @@ def floor_ratio(input_path: Path, tmp: Path, repeats: int, before: Path | None =
 
     sides = ["floor", "whole"] + (["before"] if before else [])
     speed: dict[str, list[float]] = {s: [] for s in sides}
+    per_cpu: dict[str, list[float]] = {s: [] for s in sides}  # tokens per CPU second: less load-bound
     digests: dict[str, set] = {s: set() for s in sides[1:]}
     for rep in range(repeats):  # rotated: no side always runs first on a warmed machine
         for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
@@ -159,6 +163,9 @@ def floor_ratio(input_path: Path, tmp: Path, repeats: int, before: Path | None =
                 res = whole_process(input_path, tmp / f"{side}-{rep}", 2, ROOT if side == "whole" else before)
                 digests[side].add(res["digest"])
             speed[side].append(res["tokens"] / res["seconds"])
+            per_cpu[side].append(res["tokens"] / res["cpu"])
+            print(f"  run {rep} {side}: {res['seconds']:.2f} s, {res['cpu']:.2f} CPU s, {res['tokens']:,} tokens, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
     f, w = median(speed["floor"]), median(speed["whole"])
     print(f"floor  encode_batch on the rendered conversations: {f:,.0f} tokens/s (median of {repeats}: "
           f"{', '.join(f'{x:,.0f}' for x in speed['floor'])})")
@@ -169,6 +176,10 @@ def floor_ratio(input_path: Path, tmp: Path, repeats: int, before: Path | None =
         print(f"  the same, astrai tree {before}: {b:,.0f} tokens/s (median of {repeats}: "
               f"{', '.join(f'{x:,.0f}' for x in speed['before'])}); floor ratio {b / f:.2f}; this tree / it: "
               f"{w / b:.2f}x")
+    c = {side: median(v) for side, v in per_cpu.items()}
+    print(f"tokens per CPU second (medians): floor {c['floor']:,.0f}, whole {c['whole']:,.0f} (ratio "
+          f"{c['whole'] / c['floor']:.2f})" + (f", before {c['before']:,.0f} (ratio {c['before'] / c['floor']:.2f})"
+                                              if before else ""))
     same = len(set().union(*digests.values())) == 1
     print(f"  sha256(data/*.parquet + stats.json) of every whole run{' (both trees)' if before else ''}: "
           f"{', '.join(sorted(d[:16] for d in set().union(*digests.values())))} "
