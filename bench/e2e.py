@@ -11,7 +11,11 @@ threads; only the encode calls are timed). tokens/s of each, the ratio whole / f
 >= 0.9), median of --floor-repeats runs whose order rotates. `--before DIR` (an older astrai tree,
 e.g. `git archive COMMIT | tar -x -C DIR`) times that tree's whole process in the same rotation,
 for a before/after figure on the same load; every whole run's output (both trees) must be
-byte-identical. `--packing ''` measures only the floor ratio.
+byte-identical. `--packing ''` measures only the floor ratio. Tokens per CPU second (the floor's
+encode calls, all threads; the whole process with its workers) are printed too: on a machine shared
+with other work the wall-clock ratio is mostly the scheduler's share, the CPU one much less. With
+default partitions (32 MiB) the 24 MiB input is one partition: the parent tokenizes it (encoding in
+a second thread), and the two workers share only the packing pass.
 
 `run_preprocess` on a JSONL file written from real ShareGPT (or chitchat) conversations, with the
 pipeline pipelines/chatml_sft.yaml (deepseek tokenizer vocabulary, bundled ChatML template), except
