@@ -153,7 +153,7 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
                 raise f.exception()
             on_done(futures[f])
     except BrokenProcessPool:
-        raise RuntimeError(f"a worker process died while processing {what} (killed from outside, e.g. out of "
+        raise StageFailed(f"a worker process died while processing {what} (killed from outside, e.g. out of "
                            f"memory); finished {what} are kept: rerun to resume") from None
     except BaseException:
         # stop at the first error: the other workers' unfinished work is redone on a rerun (their
@@ -224,6 +224,11 @@ def inside_output(path: Path, exclude: Path | None = None) -> bool:
 
 class OutputBusy(RuntimeError):
     pass
+
+
+class StageFailed(RuntimeError):
+    """The work stopped for a reason outside the task (a worker killed by the OOM killer); what
+    finished is kept. The CLI prints it as one line, like a user error."""
 
 
 def flock_holder(fd: int) -> Optional[int]:
