@@ -57,7 +57,7 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
         problems.append(("data", f"strategy {options.strategy} cannot train on '{options.data}', which makes "
                                  f"{kind} data; {fix}"))
     val = upstream.get("val_data") or data
-    if options.eval_every is not None and not val.get("held_out"):
+    if options.eval_every is not None and val.get("held_out") is False:  # unknown: no cascade
         problems.append(("eval_every", f"validation needs held-out data: set holdout (e.g. 0.1) in stage "
                                        f"'{options.val_data or options.data}', or remove eval_every"))
     if options.lora is not None and "model" not in upstream:
