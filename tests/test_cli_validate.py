@@ -1,7 +1,10 @@
 """`astrai validate`: tokenizer, template and inputs are checked without running; --deep reads N records."""
 
 import json
+import os
 import textwrap
+
+import pytest
 
 from astrai.cli import main
 
@@ -53,3 +56,40 @@ def test_deep_reports_rejects_and_trained_share(tmp_path, tiny_tokenizer, capsys
     assert "first 20 records: 15 kept, 0 filtered, 5 rejected" in out
     assert "rejected " in out and "trained share" in out
     assert not list(tmp_path.glob("out*"))  # nothing written next to the data
+    # the first rejects are shown located in the user's file (the temporary output is gone)
+    assert f"{data}:4: messages[0].role: role 'asistant'" in out and f"{data}:20:" in out
+    assert "/tmp" not in out.replace(str(tmp_path), "") and "rejects.jsonl" not in out
+
+
+def test_deep_when_nothing_is_kept_shows_why_and_keeps_the_rejects(tmp_path, tiny_tokenizer, capsys):
+    p = write_pipeline(tmp_path, tiny_tokenizer)
+    data = tmp_path / "d.jsonl"
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    data.write_text("".join(json.dumps(sharegpt) + "\n" for _ in range(8)))
+    keep = tmp_path / "rejects.jsonl"
+    assert main(["validate", str(p), "-i", str(data), "--deep", "--rejects", str(keep)]) == 1
+    out = capsys.readouterr().out
+    assert "first 8 records: 0 kept" in out and "a run would fail" in out
+    assert f"{data}:1: messages:" in out and "missing_field" in out and "3 more: all in" in out
+    kept = [json.loads(line) for line in keep.read_text().splitlines()]
+    assert [r["line"] for r in kept] == [str(i) for i in range(1, 9)] and kept[0]["record"] == sharegpt
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ("preprocess.pipeline=nope.yaml", "missing input: nope.yaml"),
+    ("preprocess.overrides=[preprocessing.max_seq_lenn=3]", "unknown key 'max_seq_lenn'"),
+])
+def test_a_preprocess_problem_is_reported_alone(repo_root, capsys, bad, needle):
+    # the stages reading a broken preprocess stage must not add problems they cannot know about
+    # ("set holdout", "eval_every needs held-out data") when holdout is set
+    recipe = os.path.join(repo_root, "recipes", "sft.yaml")
+    assert main(["validate", recipe, "--set", bad]) == 1
+    out = capsys.readouterr().out
+    assert needle in out and "1 problem(s)" in out and "holdout" not in out
+
+
+def test_a_missing_holdout_is_still_reported(repo_root, capsys):
+    recipe = os.path.join(repo_root, "recipes", "sft.yaml")
+    assert main(["validate", recipe, "--set", "preprocess.holdout=0.0"]) == 1
+    out = capsys.readouterr().out
+    assert "stages.train.eval_every" in out and "stages.eval.data" in out and "2 problem(s)" in out

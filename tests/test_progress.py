@@ -1,4 +1,4 @@
-"""astrai.runtime.Progress: a bar on a terminal, a plain line every few seconds otherwise; wired into preprocess."""
+"""astrai.runtime.Progress: a tqdm bar on a terminal, a plain line every few seconds otherwise; wired into preprocess."""
 
 import io
 import sys
@@ -37,15 +37,18 @@ def test_plain_lines_every_few_seconds_with_rate_and_eta():
     assert out.getvalue().strip().splitlines()[-1].startswith("progress: 10/10 partitions")  # the last one always
 
 
-def test_a_bar_on_a_terminal():
+def test_a_tqdm_bar_on_a_terminal():
+    # one progress mechanism: on a terminal the bar is tqdm's, with the stage's counts after it
     out, clock = Tty(), Clock()
     p = Progress(4, "partitions", stream=out, clock=clock)
+    assert type(p.bar).__module__.startswith("tqdm")
     for _ in range(4):
         clock.t += 1
         p.update(1, records=10)
+    p.close()
     text = out.getvalue()
-    assert text.startswith("\r[") and "[" + "#" * 24 + "]" in text and text.endswith("\n")
-    assert text.count("\n") == 1  # redrawn in place, one newline at the end
+    assert "\r" in text and "4/4" in text and "partitions" in text and "40 records" in text
+    assert "progress: " not in text  # no plain lines on a terminal
 
 
 def test_preprocess_reports_progress(tmp_path, tiny_tokenizer, monkeypatch, capsys):

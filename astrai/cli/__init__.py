@@ -5,6 +5,7 @@
     validate.py    astrai validate FILE
     inspect.py     astrai inspect PIPELINE_OR_RECIPE | OUTDIR
     export.py      astrai export OUT --to hf|jsonl|parquet DEST
+    serve.py       astrai serve CHECKPOINT (OpenAI-compatible HTTP server); chat.py: astrai chat CHECKPOINT
     train.py, eval.py, generate.py   the stage verbs (from the stage registry)
 The stage verbs come from the stage registry (astrai.config.stages): a stage that lands names its
 verb module there and appears here with no change to this file. Options live in astrai.config
@@ -22,7 +23,8 @@ from astrai import __version__
 from astrai.config import STAGES, ConfigError
 
 # (verb, module) in help order; stage verbs are inserted after `run`, from the registry
-_TOOL_VERBS = (("validate", "astrai.cli.validate"), ("inspect", "astrai.cli.inspect"), ("export", "astrai.cli.export"))
+_TOOL_VERBS = (("serve", "astrai.cli.serve"), ("chat", "astrai.cli.chat"), ("validate", "astrai.cli.validate"),
+               ("inspect", "astrai.cli.inspect"), ("export", "astrai.cli.export"))
 
 
 def verbs() -> list[tuple[str, str]]:

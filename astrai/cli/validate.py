@@ -4,12 +4,16 @@ Config problems first (every one, with key path and line:column). Then, when the
 the tokenizer (directory or package) exists and loads, the chat template exists and compiles and
 its markers are single tokens, and a recipe's input paths exist (a recipe of named stages is
 checked by astrai.recipe: every stage, reference and input). `--deep N` processes the first N
-input records exactly as a run would (into a temporary directory) and reports rejects by reason and
-the trained share. Exit 1 on any problem.
+input records as a run would (into a temporary directory that is removed) and reports rejects by
+reason, the first few located in the user's file (file:line: key: what), and the trained share;
+every reject is counted, also where the pipeline's on_error: raise would stop a run at the first.
+`--rejects FILE` keeps all of them (rejects.jsonl lines). Exit 1 on any problem.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,6 +34,9 @@ def add_arguments(p):
     p.add_argument("--deep", nargs="?", type=int, const=DEEP_DEFAULT, default=None, metavar="N",
                    help=f"also process the first N records and report rejects and the trained share "
                         f"[default N: {DEEP_DEFAULT}]")
+    p.add_argument("--rejects", default=None, metavar="FILE",
+                   help="with --deep: write every rejected record there (JSONL: file, line, key, reason, detail, "
+                        "record)")
 
 
 def run(args) -> int:
@@ -93,20 +100,33 @@ def _resources(cfg, args) -> list[str]:
     return problems
 
 
+SHOWN_REJECTS = 5
+
+
 def _deep(cfg, args) -> int:
     from astrai.data.preprocess import run_preprocess
+    from astrai.errors import InputError
 
     inputs = args.inputs or cfg.recipe_inputs
     if not inputs:
         print(f"{args.file}: --deep needs records: give -i INPUT (a recipe names its own)")
         return 1
-    pp = cfg.pipeline.preprocessing.model_copy(update={"max_items": args.deep, "max_reject_share": 1.0})
+    pp = cfg.pipeline.preprocessing.model_copy(update={"max_items": args.deep, "max_reject_share": 1.0,
+                                                       "on_error": "skip"})
     pipe = cfg.pipeline.model_copy(update={"preprocessing": pp})
     with tempfile.TemporaryDirectory() as d:
-        stats = run_preprocess(pipe, inputs, str(Path(d) / "out"), tokenizer=cfg.tokenizer(args.tokenizer),
-                               workers=1, base_dir=cfg.base_dir, log=lambda s: None)
-        rejects = (Path(d) / "out" / "rejects.jsonl")
-        first = rejects.read_text(encoding="utf-8").splitlines()[:3] if rejects.exists() else []
+        out = Path(d) / "out"
+        try:
+            stats = run_preprocess(pipe, inputs, str(out), tokenizer=cfg.tokenizer(args.tokenizer),
+                                   workers=1, base_dir=cfg.base_dir, log=lambda s: None)
+        except InputError:
+            if not (out / "stats.json").exists():
+                raise
+            stats = json.loads((out / "stats.json").read_text())  # nothing kept: reported below, with the reasons
+        rejects = out / "rejects.jsonl"
+        lines = rejects.read_text(encoding="utf-8").splitlines() if rejects.exists() else []
+        if args.rejects and lines:
+            shutil.copyfile(rejects, args.rejects)
     read, rejected = stats["records_read"], stats["records_rejected"]
     share = stats["supervised_share"]
     print(f"{args.file}: first {read} records: {stats['records_kept']} kept, {stats['records_filtered']} filtered, "
@@ -114,9 +134,17 @@ def _deep(cfg, args) -> int:
           f"{args.file}: first {read} records: {stats['records_kept']} kept, {rejected} rejected")
     for reason, n in stats["rejected_by_reason"].items():
         print(f"  rejected {reason}: {n}")
-    for line in first:
-        print(f"  e.g. {line[:200]}")
+    for line in lines[:SHOWN_REJECTS]:
+        r = json.loads(line)
+        print(f"  {r['file']}:{r['line']}: {r['key'] + ': ' if r.get('key') else ''}{r['detail']} ({r['reason']})")
+    if len(lines) > SHOWN_REJECTS:
+        print(f"  ... {len(lines) - SHOWN_REJECTS} more" + (f": all in {args.rejects}" if args.rejects else
+                                                              " (--rejects FILE writes them all)"))
+    elif args.rejects and lines:
+        print(f"  rejects written to {args.rejects}")
     if read == 0 or stats["records_kept"] == 0 or rejected > cfg.pipeline.preprocessing.max_reject_share * read:
         print("problem: a run would fail (no record kept, or more rejected than preprocessing.max_reject_share)")
         return 1
+    if rejected and cfg.pipeline.preprocessing.on_error == "raise":
+        print("note: with on_error: raise a run stops at the first of these (set on_error: skip to keep going)")
     return 0

@@ -54,6 +54,10 @@ class EngineOptions(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on cpu, the checkpoint's dtype on a GPU")
     chat_template: Optional[str] = Field(None, description="bundled name or .jinja path; default: the tokenizer's")
+    compile: bool = Field(False, description="cpu: torch.compile the decode step at start (tens of seconds once, "
+                          "cached on disk; needs a C++ compiler)")
+    cuda_graphs: bool = Field(True, description="gpu with the cuda attention backend: replay decode steps as CUDA "
+                              "graphs captured per batch-size bucket")
 
 
 CLI_MAX_TOKENS = 256

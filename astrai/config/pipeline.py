@@ -20,9 +20,10 @@ TrainOrMask = Literal["train", "mask"]
 
 
 class Section(StrictModel):
-    field: Union[str, list[str]] = Field(
-        description="record field to read; a list of message fields is joined into one conversation "
-        "(e.g. [prompt, chosen]) whose messages from all but the last field are prompt: never trained"
+    field: Union[str, list[str], None] = Field(
+        None, description="record field to read (required unless messages_from); a list of message fields is "
+        "joined into one conversation (e.g. [prompt, chosen]) whose messages from all but the last field are "
+        "prompt: never trained"
     )
     action: Action = Field("train", description="train | mask | $role (role rules, needs template) | value (copy raw)")
     template: bool = Field(False, description="render the field's messages with the chat template")
@@ -32,6 +33,19 @@ class Section(StrictModel):
     add_generation_prompt: bool = Field(False, description="template sections: end the render with the assistant header")
     mask_key: Optional[str] = Field(
         None, description="template sections: per-message boolean field; true = train, false = mask (overrides role rule)"
+    )
+    message_keys: Optional[dict[Literal["role", "content"], str]] = Field(
+        None, description="template sections: the keys a message holds its role and content under "
+                          "(ShareGPT: {role: from, content: value}); default {role: role, content: content}"
+    )
+    roles: dict[str, str] = Field(
+        default_factory=dict, description="template sections: rename roles as they are read (ShareGPT: {human: user, "
+                                          "gpt: assistant}); a role not listed passes through unchanged"
+    )
+    messages_from: Optional[dict[str, Union[str, list[str]]]] = Field(
+        None, description="template sections without field: one message per role from plain fields, in this order "
+                          "(Alpaca: {system: system, user: [instruction, input], assistant: output}); a role's fields "
+                          "are joined by a blank line, missing or blank ones left out"
     )
     separator: str = Field("", description="non-template sections: text placed before this section's text")
     value_type: ValueType = Field(
@@ -180,6 +194,7 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
                 out.append((at + ("add_generation_prompt",), "add_generation_prompt needs template: true"))
             if isinstance(s.get("field"), list) and not tmpl:
                 out.append((at + ("field",), "a list of fields is only allowed for template sections (messages)"))
+            out += _message_source_problems(s, at, tmpl, get_in(data, "mask"), get_in(data, "mask_default"))
             if s.get("separator") and tmpl:
                 out.append((at + ("separator",), "separator applies to plain sections; a template section is "
                                                  "rendered exactly as the template says"))
@@ -203,6 +218,34 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         out.append((("preprocessing", "min_chars"), "min_chars is larger than max_chars: no record could pass"))
     out += tokenizer_problems(data)
+    return out
+
+
+def _message_source_problems(s: dict, at: tuple, tmpl: bool, mask: Any, mask_default: Any) -> list[tuple[tuple, str]]:
+    """Where a section's messages come from: field, or (template sections) messages_from, not both;
+    message_keys and roles read a list of messages, so they go with field."""
+    out = []
+    source = s.get("messages_from")
+    if s.get("field") is None and source is None:
+        out.append((at + ("field",), "field is required (the record field to read)"
+                                     + ("; or messages_from: {role: field, ...}" if tmpl else "")))
+    if source is not None and s.get("field") is not None:
+        out.append((at + ("messages_from",), "give field (a list of messages) or messages_from (plain fields), "
+                                             "not both"))
+    for key in ("message_keys", "roles", "messages_from"):
+        if s.get(key) and not tmpl:
+            out.append((at + (key,), f"{key} applies to template sections; set template: true or remove {key}"))
+    if source is not None and (s.get("message_keys") or s.get("roles")):
+        out.append((at + ("messages_from",), "message_keys and roles read a list of messages (field); with "
+                                             "messages_from the roles are its own keys"))
+    if isinstance(source, dict) and not source:
+        out.append((at + ("messages_from",), "messages_from: give at least one role: field"))
+    known = list(mask) if isinstance(mask, dict) else list(DEFAULT_MASK)
+    if isinstance(source, dict) and mask_default is None:
+        for role in source:
+            if role not in known:
+                out.append((at + ("messages_from", role), f"role '{role}' is not one of {', '.join(known)} (mask "
+                                                          f"rules); add it to mask:"))
     return out
 
 

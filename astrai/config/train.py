@@ -120,6 +120,9 @@ class TrainOptions(StrictModel):
     log_every: int = Field(1, ge=1, description="metrics.jsonl line every N optimizer steps")
     progress: bool = Field(True, description="tqdm progress bar on rank 0")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint")
+    skip_nonfinite_steps: int = Field(0, ge=0, description="optimizer steps with a NaN/inf loss or gradient norm "
+                                                           "skipped (counted) before training stops; 0: stop at "
+                                                           "the first")
 
     @classmethod
     def combination_problems(cls, data) -> list[tuple[tuple, str]]:

@@ -1,8 +1,11 @@
 """Load preprocessed shards back for training: a torch Dataset over memory-mapped Arrow.
 
-`ShardDataset(out_dir)` reads manifest.json, converts each Parquet shard once into an Arrow IPC
-file under `out_dir/cache/` (atomically; the same conversion `datasets` does) and memory-maps it,
-so rows are read on demand and the dataset is never loaded whole. Single-output rows come back as
+`ShardDataset(out_dir)` reads manifest.json, verifies each shard against what the manifest recorded
+when it was written (size and row count every time; the full sha256 whenever its cache is built:
+astrai.data.shard_check), converts it once into an Arrow IPC file under `out_dir/cache/`
+(atomically; the same conversion `datasets` does, keyed by the shard's digest and stat stamps, so a
+stale cache is never read) and memory-maps it, so rows are read on demand and the dataset is never
+loaded whole. Single-output rows come back as
 int64 tensors `input_ids`, `labels` (a copy of input_ids when the dataset has no labels column:
 plain pretraining), `position_ids` (rebuilt per document from seq_lens when the column was not
 written) and `seq_lens`. DPO/GRPO rows come back as records (dicts of lists), as written.
@@ -29,23 +32,45 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from astrai.data.shard_check import check_digest, check_shard, shard_checks, stat_stamp
 from astrai.data.write import positions
+from astrai.errors import InputError
+from astrai.runtime import atomic_write_text
 from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS
 
 
 
-def _arrow_cache(out: Path, shard: str) -> Path:
-    cache = out / "cache" / (Path(shard).stem + ".arrow")
-    if cache.exists():
-        return cache
+def _arrow_cache(out: Path, shard: str, record: dict) -> Path:
+    """The shard as an Arrow IPC file under cache/, named by the shard's recorded digest and trusted
+    only while both files keep the stat stamps written beside it (astrai.data.shard_check): any
+    change rebuilds it, and a rebuild first hashes the shard against the manifest. A stale cache
+    (the shard edited since, or the cache itself) is never read."""
+    source = check_shard(out, shard, record)
+    cache = out / "cache" / f"{Path(shard).stem}-{record['sha256'][:16]}.arrow"
+    stamp_file = cache.with_suffix(".stamp.json")
+    try:
+        stamps = json.loads(stamp_file.read_text())
+        if stamps == {"source": stat_stamp(source), "arrow": stat_stamp(cache)}:
+            return cache
+    except (OSError, ValueError):
+        pass
     cache.parent.mkdir(parents=True, exist_ok=True)
+    for old in cache.parent.glob(f"{Path(shard).stem}*"):  # caches of other versions of this shard
+        if old not in (cache, stamp_file) and old.name.startswith((f"{Path(shard).stem}.", f"{Path(shard).stem}-")):
+            old.unlink(missing_ok=True)
+    before = stat_stamp(source)
+    check_digest(source, record)
     tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-    pf = pq.ParquetFile(out / shard)
+    pf = pq.ParquetFile(source)
     with pa.OSFile(str(tmp), "wb") as sink:
         with pa.ipc.new_file(sink, pf.schema_arrow) as writer:
             for i in range(pf.num_row_groups):
                 writer.write_table(pf.read_row_group(i))
+    if stat_stamp(source) != before:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"{source}: changed while it was read; retry once nothing writes it")
     os.replace(tmp, cache)
+    atomic_write_text(stamp_file, json.dumps({"source": before, "arrow": stat_stamp(cache)}))
     return cache
 
 
@@ -57,11 +82,19 @@ class ShardDataset:
         manifest = self.out / "manifest.json"
         if not manifest.exists():
             raise FileNotFoundError(f"{self.out}: no manifest.json; is this a finished `astrai preprocess` output?")
-        self.manifest = json.loads(manifest.read_text())
+        try:
+            self.manifest = json.loads(manifest.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"{manifest}: unreadable ({e}); run astrai preprocess again") from None
+        checks = shard_checks(self.out, self.manifest)
         self.tables = []
         for shard in self.manifest["shards"]:
-            mm = pa.memory_map(str(_arrow_cache(self.out, shard)))
-            self.tables.append(pa.ipc.open_file(mm).read_all())  # zero-copy over the mapping
+            mm = pa.memory_map(str(_arrow_cache(self.out, shard, checks[shard])))
+            table = pa.ipc.open_file(mm).read_all()  # zero-copy over the mapping
+            if table.num_rows != checks[shard]["rows"]:
+                raise InputError(f"{self.out / 'cache'}: the cache of {shard} has {table.num_rows} rows, the manifest "
+                                 f"{checks[shard]['rows']}; delete {self.out / 'cache'} and retry")
+            self.tables.append(table)
         counts = [t.num_rows for t in self.tables]
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.columns = self.tables[0].column_names if self.tables else []

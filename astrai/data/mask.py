@@ -46,13 +46,17 @@ The method (two renders, one tokenization, all linear in the conversation):
    there.
 5. Tokenize `text` once with character offsets. A token is trained iff its span lies inside a
    trained region. A token that straddles a region's start (template text and message text merged
-   in one token) cannot be attributed, and the record is rejected with that reason. One that
+   in one token) cannot be attributed, and the record is rejected with that reason; one that
+   straddles it holding no character of any message's text (Llama-2 as template collections write
+   it, without `-` whitespace control: "[/INST]\n" + indentation + " " + answer, where a tokenizer
+   merges the newline with the indentation) is template text on both sides, and is masked. One that
    straddles its end merges the text with template text of the same turn: the turn is then trained
    to its end-of-turn token (the rule), if one follows before the next message's text.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Optional
 
 import numpy as np
@@ -170,11 +174,20 @@ def label_tokens(chat: RenderedChat, ids: np.ndarray, spans: TokenSpans, special
         return RecordError("boundary_straddle", f"message {r.msg} ({r.role}): token {tok_text(j)!r} spans template "
                                                 f"text and message text; no exact label exists")
 
+    text_starts = [s for s, _, _ in chat.text_spans]
+
+    def holds_message_text(k) -> bool:
+        s, e = spans.span(k)
+        i = bisect.bisect_left(text_starts, e) - 1  # the last message text starting before the token ends
+        return i >= 0 and chat.text_spans[i][1] > s
+
     for r in chat.regions:
         if not r.trained:
             continue
         j = spans.straddler(r.start)
-        if j is not None:
+        # a straddler holding only template text (the newline and indentation a template without
+        # whitespace control leaves between turns) is scaffolding: masked, as first_at_or_after skips it
+        if j is not None and holds_message_text(j):
             raise straddle(r, j)
         # the end edge of a to_eot region is not a label edge: the tokens after it are trained too. A
         # token merging the text's end with template text of the same turn (Qwen's tools block after a

@@ -29,7 +29,8 @@ from astrai.data.mask import (
 from astrai.text.template import ChatTemplate, resolve_template
 from astrai.text.tokenizer import Tokenizer, with_added_tokens
 from astrai.data.turns import answer_sources, empty_messages, end_answer, end_of_turn_id
-from astrai.data.values import check_message_unicode, check_unicode, check_value, type_name
+from astrai.data.messages import read_messages, section_fields
+from astrai.data.values import check_unicode, check_value, type_name
 from astrai.schema import IGNORE_INDEX, value_column
 
 ITEM = "$item"
@@ -103,7 +104,7 @@ class Processor:
         # Roles outside `mask` are bad input (a typo such as 'asistant' must not train silently), unless
         # the pipeline sets mask_default: then that rule covers every other role.
         self.any_role = pipeline.mask_default is not None
-        self.roles_allowed = set(pipeline.mask)
+        self.roles_allowed = list(pipeline.mask)  # in the pipeline's order, for messages
         if pipeline.input.sections is not None:
             self.sources = {"": (pipeline.input.sections, None)}
         else:
@@ -221,7 +222,7 @@ class Processor:
                 values[value_column(source, fld)] = check_value(_field(rec, fld), s.value_type, fld)
                 continue
             if s.template:
-                msgs, n_prompt = self._messages(rec, s)
+                msgs, n_prompt = read_messages(rec, s, self.roles_allowed, self.any_role)
                 trained = self._trained_flags(msgs, s)
                 trained[:n_prompt] = [False] * n_prompt
                 detail = empty_messages(msgs, trained, self.p.preprocessing.empty_message)  # masks them, or:
@@ -232,7 +233,7 @@ class Processor:
                 chat = render_with_regions(self.template, msgs, trained, add_generation_prompt=s.add_generation_prompt,
                                            tools=tools, special_tokens=self.special, template_kwargs=self.kwargs,
                                            gen_prompt=self.gen_prompt, answer_lead=self.answer_lead)
-                check_unicode(chat.text, s.field if isinstance(s.field, str) else s.field[-1])
+                check_unicode(chat.text, section_fields(s)[-1])
                 chars += sum(len(m.get("content") or "") for m in msgs)
                 parts.append(_Part(chat.text, bool(s.add_special_tokens), any(trained), chat,
                                    [str(m.get("role")) for m in msgs]))
@@ -247,49 +248,6 @@ class Processor:
                 chars += len(text)
                 parts.append(_Part(s.separator + text, add_special, s.action == "train"))
         return parts, values, chars
-
-    def _messages(self, rec: dict, s: Section) -> tuple[list[dict], int]:
-        """The section's messages, and how many come from prompt fields (all fields but the last).
-
-        With field: [prompt, chosen] the prompt's messages are context and never trained, whatever
-        their role: DPO and prompt/completion data train only the answer.
-        """
-        fields = [s.field] if isinstance(s.field, str) else s.field
-        msgs: list[dict] = []
-        n_prompt = 0
-        for fi, f in enumerate(fields):
-            if fi == len(fields) - 1:
-                n_prompt = len(msgs)
-            v = _field(rec, f)
-            if isinstance(v, str):  # a bare string in a message list position: a user/assistant turn
-                raise RecordError("wrong_type", "must be a list of messages ({role, content}), got a string", key=f)
-            if not isinstance(v, list):
-                raise RecordError("wrong_type", f"must be a list of messages, got {type_name(v)}", key=f)
-            for i, m in enumerate(v):
-                key = f"{f}[{i}]"
-                if not isinstance(m, dict):
-                    raise RecordError("wrong_type", f"a message must be an object, got {type_name(m)}", key=key)
-                role = m.get("role")
-                if not isinstance(role, str):
-                    raise RecordError("missing_field" if role is None else "wrong_type",
-                                      "a message needs a string 'role'", key=key + ".role")
-                if role not in self.roles_allowed and not self.any_role:
-                    raise RecordError("unknown_role", f"role {role!r} is not one of {', '.join(self.p.mask)} "
-                                                      f"(mask rules; add it to mask: to allow it)", key=key + ".role")
-                content = m.get("content")
-                if content is None and not m.get("tool_calls"):
-                    raise RecordError("missing_field", "a message needs 'content'", key=key + ".content")
-                if content is not None and not isinstance(content, str):
-                    raise RecordError("non_string_content", f"content must be a string, got {type_name(content)}",
-                                      key=key + ".content")
-                check_message_unicode(m, key)  # precise keys; the render is checked as a whole too
-                if s.mask_key is not None and s.mask_key in m and not isinstance(m[s.mask_key], bool):
-                    raise RecordError("wrong_type", f"must be true or false, got {type_name(m[s.mask_key])}",
-                                      key=f"{key}.{s.mask_key}")
-                msgs.append(m)
-        if not msgs:
-            raise RecordError("empty_conversation", "the conversation has no messages", key=fields[0])
-        return msgs, n_prompt
 
     def _trained_flags(self, msgs: list[dict], s: Section) -> list[bool]:
         flags = []

@@ -13,7 +13,8 @@ always give the same partitions, in the same order, with the same names:
 
 Reading a partition yields batches of (record, where) pairs, where `where` is "LINE" for
 line-based files and "record N"/"row N" otherwise; a bad record comes back as a RecordError in
-place of the record so the caller decides (raise or skip) and counts it. Memory is bounded by
+place of the record so the caller decides (raise or skip) and counts it. With `keep(position)`
+(astrai.data.holdout) only some records are read; JSONL lines it skips are not even parsed. Memory is bounded by
 one batch (plus one row group or Arrow batch), whatever the input size.
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
+from astrai.data.holdout import position
 from astrai.errors import InputError, RecordError
 from astrai.runtime import inside_output
 
@@ -239,11 +241,14 @@ def _count_newlines(fh, n: int, hasher=None) -> int:
 Item = tuple[Union[dict, RecordError], str]
 
 
-def read_partition(p: Partition, batch_size: int) -> Iterator[list[Item]]:
-    reader = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow,
-              "jsonl.gz": _read_jsonl_stream, "jsonl.zst": _read_jsonl_stream}[p.kind]
+def read_partition(p: Partition, batch_size: int, keep=None) -> Iterator[list[Item]]:
+    if p.kind.startswith("jsonl"):
+        items = (_read_jsonl if p.kind == "jsonl" else _read_jsonl_stream)(p, keep)
+    else:
+        items = {"json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow}[p.kind](p)
+        if keep is not None:
+            items = (it for it in items if keep(position(it[1])))
     batch: list[Item] = []
-    items = reader(p)
     while True:
         try:  # only the reader's own failures: the consumer's run outside this generator
             item = next(items, None)
@@ -261,7 +266,7 @@ def read_partition(p: Partition, batch_size: int) -> Iterator[list[Item]]:
         yield batch
 
 
-def _read_jsonl(p: Partition) -> Iterator[Item]:
+def _read_jsonl(p: Partition, keep=None) -> Iterator[Item]:
     line_no = p.first_where
     with open(p.file, "rb") as fh:
         fh.seek(p.start)
@@ -273,16 +278,16 @@ def _read_jsonl(p: Partition) -> Iterator[Item]:
             pos += len(raw)
             where = str(line_no)
             line_no += 1
-            if not raw.strip():
+            if not raw.strip() or (keep is not None and not keep(line_no - 2)):
                 continue  # blank lines are not records
             yield _parse_json_line(raw, where), where
 
 
-def _read_jsonl_stream(p: Partition) -> Iterator[Item]:
+def _read_jsonl_stream(p: Partition, keep=None) -> Iterator[Item]:
     """Compressed JSONL, decompressed as a stream (never whole in memory), numbered like JSONL."""
     with _open_stream(p) as fh:
         for line_no, raw in enumerate(fh, p.first_where):
-            if raw.strip():  # blank lines are not records
+            if raw.strip() and (keep is None or keep(line_no - 1)):  # blank lines are not records
                 yield _parse_json_line(raw, str(line_no)), str(line_no)
 
 
@@ -389,9 +394,6 @@ def file_fingerprint(path: str) -> str:
     """Content hash of an input file (sha256), for the manifest fingerprint."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while True:
-            block = fh.read(1 << 24)
-            if not block:
-                break
+        for block in iter(lambda: fh.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()

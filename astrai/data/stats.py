@@ -6,6 +6,11 @@ domains and the document length histogram. Its `summary()` is plain JSON (a part
 as its completion marker); `record_stats` merges summaries into the record part of stats.json,
 `dataset_stats` adds the packing figures. Inspect calls the same two, so its numbers cannot drift
 from what preprocess writes.
+
+stats.json's `trained_tokens` (single output) is what the shards hold: the labels != -100 counted
+as each row group was written (astrai.data.write.trained_count), so each packed piece's masked
+first position and the packer's truncation are accounted for; `supervised_share` is it over
+`tokens_written`. `trained_tokens_per_role` counts the records' own labels, before packing.
 """
 
 from __future__ import annotations
@@ -123,7 +128,7 @@ def dataset_stats(pipeline, summaries: list[dict], packing: Optional[dict]) -> d
         "pack_truncated_docs": total["pack_truncated_docs"],
     })
     if packing:
-        stats.update(packing)
+        stats.update({k: v for k, v in packing.items() if k != "trained_written"})
         stats["tokens_written"] = stats["tokens"] - stats["pack_truncated_tokens"]
     else:
         stats["tokens_written"] = stats["tokens"] - stats["pack_truncated_tokens"]
@@ -132,4 +137,10 @@ def dataset_stats(pipeline, summaries: list[dict], packing: Optional[dict]) -> d
         single = pipeline.input.sources is None
         stats["packing_efficiency"] = (stats["tokens_written"] / (stats["rows"] * ml)) if (ml and stats["rows"]
                                                                                           and single) else None
+    if pipeline.input.sources is None:
+        # exact: the labels != -100 the shards hold (each packed piece's first position is masked, the
+        # packer's truncation drops tokens); multi-output rows are written as processed
+        stats["trained_tokens"] = packing["trained_written"] if packing else total["trained_written"]
+        written = stats["tokens_written"]
+        stats["supervised_share"] = stats["trained_tokens"] / written if written else None
     return stats

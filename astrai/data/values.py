@@ -17,7 +17,6 @@ import math
 import numpy as np
 
 from astrai.errors import RecordError
-from astrai.text.template import REASONING_FIELDS
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -78,13 +77,6 @@ def check_unicode(text: str, key) -> None:
     except UnicodeEncodeError as e:
         raise RecordError("invalid_unicode", f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start} "
                                              f"(not encodable as UTF-8)", key=key) from None
-
-
-def check_message_unicode(m: dict, key: str) -> None:
-    """A message's texts (content, reasoning), each checked with its own key."""
-    for name in ("content",) + REASONING_FIELDS:
-        if isinstance(m.get(name), str):
-            check_unicode(m[name], f"{key}.{name}")
 
 
 def type_name(v) -> str:

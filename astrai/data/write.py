@@ -77,6 +77,18 @@ def rows_columns(ids: list, labels: Optional[list], seq_lens: np.ndarray, row_of
     return cols
 
 
+def trained_count(table: pa.Table) -> int:
+    """The trained tokens of single-output rows as a trainer sees them: labels != IGNORE_INDEX (each
+    packed piece's first position included, which rows_columns masks), or every token when no
+    labels column is written. stats.json's trained_tokens is the sum of this over what was written."""
+    import pyarrow.compute as pc
+
+    if LABELS not in table.column_names:
+        return int(pc.sum(pc.list_value_length(table.column(INPUT_IDS))).as_py() or 0)
+    flat = np.asarray(pc.list_flatten(table.column(LABELS)))
+    return int(np.count_nonzero(flat != IGNORE_INDEX))
+
+
 def list_array(values: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """list<int32> from flat values and per-row lengths, without Python loops."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)

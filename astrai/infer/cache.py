@@ -12,6 +12,8 @@ A request's life in the cache:
                    tree already held that prefix the request switches to the tree's page.
   `release(req)`   caches what it can, drops all the request's references and its table row
                    (finish, cancel, preemption alike).
+  `reset_prefix_cache()`  after the model's weights changed: the tree forgets every prefix, and
+                   requests attached before (whose K/V is of the old weights) never offer theirs.
 
 Nothing here frees a page directly: a page returns to the free list when its last holder (a
 request or the tree) lets go. `check(requests)` verifies the global invariant used by the tests:
@@ -41,6 +43,7 @@ class PagePool:
         self.radix = RadixCache(self.alloc) if use_radix else None
         self.table = ReqToTokenTable(max_reqs, max_context, page_size, device)
         self.max_context = max_context
+        self.epoch = 0  # bumped by reset_prefix_cache: K/V of an older epoch is never cached
 
     @property
     def num_pages(self) -> int:
@@ -50,10 +53,18 @@ class PagePool:
         """Pages a new allocation can get: free now plus evictable from the radix cache."""
         return self.alloc.num_free + self.alloc.evictable
 
+    def usage(self) -> tuple[int, int, int]:
+        """(free, cached, total) token slots: free pages, pages held only by the radix cache (reclaimable
+        by eviction), all pages. With no live request every page is one or the other: free + cached == total."""
+        ps = self.page_size
+        cached = self.alloc.evictable if self.radix is not None else 0
+        return self.alloc.num_free * ps, cached * ps, self.num_pages * ps
+
     def attach(self, req: Request) -> int:
         """Give the request a table row and its cached prefix; returns the number of cached tokens."""
         assert req.row is None and not req.pages and req.kv_len == 0
         req.row = self.table.alloc_row()
+        req.cache_epoch = self.epoch
         if self.radix is None:
             return 0
         pages = self.radix.match(req.tokens[:len(req.tokens) - 1])
@@ -78,8 +89,13 @@ class PagePool:
         req.pages.extend(new)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        self.epoch += 1
+        if self.radix is not None:
+            self.radix.drop_all()
+
     def cache(self, req: Request) -> None:
-        if self.radix is None:
+        if self.radix is None or req.cache_epoch != self.epoch:
             return
         n = req.kv_len // self.page_size  # complete pages with K/V written (never the last sampled token)
         if n == 0:

@@ -92,12 +92,15 @@ class Engine:
         self.eos_ids = frozenset(eos_ids) | ({tokenizer.eos_id} if tokenizer and tokenizer.eos_id is not None else set())
         self.eot_id = end_of_turn_id(tokenizer, self.template) if self.template is not None else None
         num_pages = pages_for(o.kv_cache_tokens, o.page_size)
-        kv = KVStorage(c.num_hidden_layers, num_pages * o.page_size, c.num_key_value_heads, c.head_dim, dtype, self.device)
+        # one page more than the pool hands out: the scratch page padded rows of a CUDA graph write to
+        kv = KVStorage(c.num_hidden_layers, (num_pages + 1) * o.page_size, c.num_key_value_heads, c.head_dim, dtype,
+                       self.device)
         self.pool = PagePool(num_pages, o.page_size, o.max_running,
                              min(num_pages * o.page_size, c.max_position_embeddings), o.prefix_cache, self.device)
         self.backend = select_backend(self.device, dtype)(kv.k_cache, kv.v_cache)
         self.scheduler = Scheduler(self.pool, o.max_running, o.max_step_tokens)
-        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, compile=o.compile,
+                                  cuda_graphs=o.cuda_graphs)
         self.stats = EngineStats()
         self._next_rid = 0
         self._texts: dict[int, OutputText] = {}
@@ -127,12 +130,22 @@ class Engine:
         return cls(model, tokenizer, options, eos)
 
     # ---- requests ----
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Request:
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The token ids of a prompt (a conversation rendered with the chat template); no engine state is
+        touched, so a server may call it outside the thread that steps the engine."""
+        return encode_prompt(prompt, self.tokenizer, self.template)
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    end_of_turn: Optional[bool] = None) -> Request:
+        """`end_of_turn`: also stop at the chat template's end-of-turn token; default: when the prompt is a
+        conversation (pass True with the ids of a conversation already rendered by `encode`)."""
         params = params or SamplingParams()
-        ids = encode_prompt(prompt, self.tokenizer, self.template)
+        ids = self.encode(prompt)
         stop_ids = set(params.stop_token_ids)
+        if end_of_turn is None:
+            end_of_turn = is_chat(prompt)
         if not params.ignore_eos:
-            stop_ids |= self.eos_ids | ({self.eot_id} if is_chat(prompt) and self.eot_id is not None else set())
+            stop_ids |= self.eos_ids | ({self.eot_id} if end_of_turn and self.eot_id is not None else set())
         req = Request(self._next_rid, ids, params, frozenset(stop_ids))
         req.generator = make_generator(params.seed, self.device)
         self.scheduler.add(req)  # raises RequestTooLarge for a request that can never fit
@@ -154,6 +167,9 @@ class Engine:
     def step(self) -> list[tuple[Request, int, str]]:
         """Run one forward; returns (request, sampled token, newly visible text) per sampled token."""
         t0 = time.perf_counter()
+        if self.runner.sync_weights():
+            # cached prefixes hold K/V of the old weights: no later request may reuse them
+            self.pool.reset_prefix_cache()
         batch = self.scheduler.schedule()
         if not batch.reqs:
             raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")

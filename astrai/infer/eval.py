@@ -1,10 +1,11 @@
 """Evaluation (`astrai eval CHECKPOINT --data DIR`, and a recipe's eval stage) -> eval.json.
 
 Perplexity (token-weighted, trained tokens only) of a held-out preprocessed directory read back
-through astrai.data.load.ShardDataset, packed rows evaluated with document isolation (see
-perplexity.py), plus sample generations through the engine. eval.json holds loss, perplexity,
-trained token / document / row counts, the samples and the generation statistics; a summary is
-printed.
+through astrai.data.load.ShardDataset (its shards verified against the manifest; refused when the
+data was made with another tokenizer than the checkpoint's: `tokenizer_problem`), packed rows
+evaluated with document isolation (see perplexity.py), plus sample generations through the engine.
+eval.json holds loss, perplexity, trained token / document / row counts, the samples and the
+generation statistics; a summary is printed.
 
 Samples: for `samples` held-out documents (whole documents first, not pieces that bfd_split cut
 mid-text: perplexity.held_out_prompts), the prompt is the document up to its first trained token
@@ -16,9 +17,30 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Optional
 from pathlib import Path
 
 from astrai.config.infer import EvalOptions
+
+
+def tokenizer_problem(manifest: dict, tokenizer, checkpoint, data) -> Optional[str]:
+    """Why the held-out data cannot be scored by this checkpoint's tokenizer, or None. The manifest
+    records the content digest of the tokenizer that made the data (astrai.text.tokenizer.
+    content_digest); the checkpoint's tokenizer must have the same one: ids made by another
+    tokenizer mean other tokens to the model, and their perplexity means nothing."""
+    from astrai.text.tokenizer import content_digest
+
+    recorded = (manifest.get("tokenizer") or {}).get("content")
+    if not recorded:
+        return f"{data}: its manifest records no tokenizer digest (made by an older astrai); run astrai preprocess again"
+    if tokenizer is None:
+        return (f"{checkpoint}: has no tokenizer files, so the data cannot be checked against the model's tokenizer; "
+                f"copy the tokenizer the model was trained with into it")
+    mine = content_digest(tokenizer)
+    if mine != recorded:
+        return (f"{data} was made with another tokenizer (digest {recorded[:12]}) than the checkpoint {checkpoint} "
+                f"uses ({mine[:12]}); preprocess the held-out data with the checkpoint's tokenizer")
+    return None
 
 
 def run_eval(options: EvalOptions, out=None) -> dict:
@@ -34,6 +56,9 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     dataset = ShardDataset(options.data)
     if dataset.multi:
         raise ValueError(f"{options.data}: a multi-output (DPO/GRPO) dataset; perplexity needs input_ids/labels rows")
+    problem = tokenizer_problem(dataset.manifest, engine.tokenizer, options.checkpoint, options.data)
+    if problem:
+        raise ValueError(problem)
     result = {"checkpoint": str(options.checkpoint), "data": str(options.data)}
     result.update(perplexity(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device))
     prompts = held_out_prompts(dataset, options.samples)

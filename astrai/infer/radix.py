@@ -130,3 +130,9 @@ class RadixCache:
     def clear(self) -> int:
         """Evict everything no request holds (e.g. between benchmark runs)."""
         return self.evict(self.num_nodes)
+
+    def drop_all(self) -> None:
+        """Forget every cached prefix, also the pages requests still hold (they keep their own
+        references): after the model's weights changed, no cached K/V may be matched again."""
+        for nd in reversed(list(self.nodes())):  # (nodes() yields a parent before its children)
+            self._remove(nd)

@@ -38,6 +38,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0
     row: Optional[int] = None  # row in the request-to-token table while it holds pages
+    cache_epoch: int = 0  # the pool's epoch when its K/V began (PagePool.reset_prefix_cache)
     status: str = WAITING
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
     stop_reason: Optional[object] = None  # the stop token id or stop string that ended it

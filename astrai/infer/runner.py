@@ -7,6 +7,13 @@ positions the K/V is stored under), then write K/V, then attend (decode when eve
 step has exactly one new token, ragged prefill otherwise). Only the last position of each request
 that samples goes through the LM head.
 
+Which forward runs: the fused one (astrai.infer.fused: q/k/v and gate/up as one matmul each, RoPE
+tables once per step) whenever it implements the model, else the model's own (`reference_reason`
+says why). Decode steps, whose inputs go into preallocated buffers (`DecodeInputs`), may instead
+run compiled (`compile`, CPU: astrai.infer.compiled) or as replayed CUDA graphs (`cuda_graphs`, a
+GPU with the cuda backend: astrai.infer.cuda_graph). Before each step `sync_weights()` looks for
+changed weights (astrai.infer.fused.WeightWatch) and rebuilds the fused copies.
+
 On CPU the LM head multiplies by a transposed, contiguous copy of its weight ([hidden, vocab]):
 a decode step's [16, 64] x [64, 129282] took 2.6-3.0 ms that way against 4.2-4.4 ms through
 F.linear on the [vocab, hidden] weight, [4, 512] 38 against 55 ms (one thread, bench/cpu_ops.py);
@@ -20,7 +27,9 @@ from __future__ import annotations
 import torch
 
 from astrai.infer.backend import AttentionBackend, AttentionMeta
+from astrai.infer.backends.torch_native import padded_kv_slots
 from astrai.infer.cache import PagePool, pages_for
+from astrai.infer.fused import FusedModel, WeightWatch, rope_tables, unsupported
 from astrai.infer.scheduler import Batch
 from astrai.model.attention import AttentionContext
 
@@ -28,6 +37,16 @@ from astrai.model.attention import AttentionContext
 class PagedContext(AttentionContext):
     def __init__(self, backend: AttentionBackend, meta: AttentionMeta, slots: torch.Tensor, decode: bool):
         self.backend, self.meta, self.slots, self.decode = backend, meta, slots, decode
+        self._tables = None
+
+    def rope_tables(self, position_ids, rope):
+        """(cos, sin_signed) for the step, gathered once and shared by every layer; None when the
+        backend applies RoPE itself (a fused kernel)."""
+        if type(self.backend).rotary is not AttentionBackend.rotary:
+            return None
+        if self._tables is None:
+            self._tables = rope_tables(position_ids, rope, self.backend.k_cache[0].dtype)
+        return self._tables
 
     def rotary(self, q, k, position_ids, rope):
         return self.backend.rotary(q, k, position_ids, rope)
@@ -39,14 +58,84 @@ class PagedContext(AttentionContext):
         return self.backend.prefill(layer_idx, q, self.meta)
 
 
+class DecodeInputs:
+    """Preallocated integer inputs of a decode step (one new token per request), sized by max_running:
+    filled through numpy views each step instead of making new tensors (pinned and copied to the
+    device on a GPU)."""
+
+    def __init__(self, max_running: int, max_pages: int, device: torch.device):
+        n = max_running
+        sizes = {"ids": (n, torch.int64), "positions": (n, torch.int64), "slots": (n, torch.int64),
+                 "qo_indptr": (n + 1, torch.int32), "kv_indptr": (n + 1, torch.int32), "kv_lens": (n, torch.int32),
+                 "pages": (max_pages, torch.int32)}
+        gpu = device.type == "cuda"
+        self.host = {k: torch.zeros(m, dtype=dt, pin_memory=gpu) for k, (m, dt) in sizes.items()}
+        self.dev = {k: t.to(device) for k, t in self.host.items()} if gpu else self.host
+        self.host["qo_indptr"].copy_(torch.arange(n + 1))
+        self.dev["qo_indptr"].copy_(self.host["qo_indptr"])
+
+    def load(self, **values: list[int]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, v in values.items():
+            self.host[name].numpy()[:len(v)] = v
+            dev = self.dev[name][:len(v)]
+            if dev is not self.host[name]:
+                dev.copy_(self.host[name][:len(v)], non_blocking=True)
+            out[name] = dev
+        return out
+
+
 class ModelRunner:
-    def __init__(self, model, pool: PagePool, backend: AttentionBackend, device="cpu"):
+    def __init__(self, model, pool: PagePool, backend: AttentionBackend, device="cpu", fused: bool = True,
+                 compile: bool = False, cuda_graphs: bool = False):
         self.model = model
         self.pool = pool
         self.backend = backend
         self.device = torch.device(device)
+        # why the model's own forward runs instead of the fused one (None: the fused one runs)
+        self.reference_reason = "fused forward off" if not fused else unsupported(model)
+        self.fused = FusedModel(model) if self.reference_reason is None else None
+        self.watch = WeightWatch(model)
+        max_running = pool.table.table.shape[0]
+        self.decode_inputs = DecodeInputs(max_running, max_running * pages_for(pool.max_context, pool.page_size),
+                                          self.device)
         self._head_t: torch.Tensor | None = None
         self._head_key: tuple | None = None
+        self.compiled = self._compiled_decode() if compile else None
+        self.graphs = self._graph_decode() if cuda_graphs else None
+
+    def sync_weights(self) -> bool:
+        """Before a step: True if the model's weights changed since the last step (the fused copies are
+        then rebuilt; K/V computed with the old weights is the caller's to drop)."""
+        if not self.watch.changed():
+            return False
+        if self.fused is not None:
+            self.fused.rebuild()
+        return True
+
+    def _graph_decode(self):
+        """CUDA graphs of the decode step, where they can run (else None: eager decode)."""
+        from astrai.infer.backends.cuda import CudaBackend
+        from astrai.infer.cuda_graph import GraphDecode
+
+        if self.fused is None or self.device.type != "cuda" or not isinstance(self.backend, CudaBackend):
+            return None
+        if self.backend.k_cache[0].shape[0] < (self.pool.num_pages + 1) * self.pool.page_size:
+            raise ValueError("CUDA graphs need a scratch page after the pool's pages in the K/V storage")
+        return GraphDecode(self.fused, self.backend, self.pool.table.table.shape[0], self.pool.max_context,
+                           self.pool.page_size, self.pool.num_pages, self.device)
+
+    def _compiled_decode(self):
+        from astrai.infer.backends.torch_native import TorchBackend
+        from astrai.infer.compiled import CompiledDecode
+
+        if self.fused is None:
+            raise ValueError(f"compile needs the fused forward, which cannot run this model: {self.reference_reason}")
+        if self.device.type != "cpu" or not isinstance(self.backend, TorchBackend):
+            raise ValueError("compile is for the CPU (torch attention backend); on a GPU decode runs as CUDA graphs")
+        decode = CompiledDecode(self.fused, self.backend.k_cache, self.backend.v_cache)
+        decode.warm_up()
+        return decode
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -58,6 +147,8 @@ class ModelRunner:
         return hidden @ self._head_t
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext, list[int]]:
+        if all(n == 1 for n in batch.q_lens):
+            return self._prepare_decode(batch)
         ids, rows, positions, kv_lens, pages, last = [], [], [], [], [], []
         ps = self.pool.page_size
         for i, (req, n) in enumerate(zip(batch.reqs, batch.q_lens)):
@@ -73,14 +164,51 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         slots = self.pool.table.table[torch.tensor(rows, dtype=torch.long, device=dev), pos]
         meta = AttentionMeta.build(batch.q_lens, kv_lens, pages, ps, device=dev)
-        ctx = PagedContext(self.backend, meta, slots, decode=all(n == 1 for n in batch.q_lens))
-        return torch.tensor(ids, dtype=torch.long, device=dev), pos, ctx, last
+        return torch.tensor(ids, dtype=torch.long, device=dev), pos, PagedContext(self.backend, meta, slots, False), last
+
+    def _prepare_decode(self, batch: Batch):
+        """The same for a step of one new token per request, into the preallocated DecodeInputs: the
+        write slot comes from the request's page list, no table lookup."""
+        ps = self.pool.page_size
+        ids, positions, slots, kv_lens, kv_indptr, pages, flat = [], [], [], [], [0], [], []
+        for req in batch.reqs:
+            p = req.kv_len
+            ids.append(req.tokens[p])
+            positions.append(p)
+            slots.append(req.pages[p // ps] * ps + p % ps)
+            kv_lens.append(p + 1)
+            own = req.pages[:p // ps + 1]
+            pages.append(own)
+            flat += own
+            kv_indptr.append(len(flat))
+        b = len(ids)
+        t = self.decode_inputs.load(ids=ids, positions=positions, slots=slots, kv_lens=kv_lens, kv_indptr=kv_indptr,
+                                    pages=flat)
+        meta = AttentionMeta(self.decode_inputs.dev["qo_indptr"][:b + 1], t["kv_indptr"], t["pages"], t["kv_lens"], ps,
+                             host={"qo_indptr": list(range(b + 1)), "kv_lens": kv_lens, "kv_indptr": kv_indptr,
+                                   "pages": pages})
+        last = [i for i in range(b) if batch.samples(i)]
+        return t["ids"], t["positions"], PagedContext(self.backend, meta, t["slots"], True), last
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [n_sampling, vocab] (float32) for the requests of the batch that sample, in batch order."""
-        ids, pos, ctx, last = self.prepare(batch)
-        hidden = self.model(ids, pos, ctx)
+        decode = all(n == 1 for n in batch.q_lens)
+        if decode and self.graphs is not None:
+            hidden = self.graphs(batch.reqs)
+            last = [i for i in range(len(batch.reqs)) if batch.samples(i)]
+        else:
+            ids, pos, ctx, last = self.prepare(batch)
+            if self.fused is None:
+                hidden = self.model(ids, pos, ctx)
+            elif decode and self.compiled is not None:
+                kv_slots, valid = padded_kv_slots(ctx.meta)
+                bias = torch.zeros(valid.shape, dtype=self.backend.k_cache[0].dtype).masked_fill_(~valid, float("-inf"))
+                hidden = self.compiled(ids, ctx.slots, kv_slots, bias, ctx.rope_tables(pos, self.model.rope))
+            else:
+                hidden = self.fused(ids, pos, ctx)
         if not last:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.logits(hidden[torch.tensor(last, device=hidden.device)]).float()
+        if len(last) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(last, device=hidden.device)]
+        return self.logits(hidden).float()

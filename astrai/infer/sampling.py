@@ -6,11 +6,15 @@ one multiplied) -> greedy rows take the argmax -> temperature -> top-k -> top-p 
 most-likely set whose probability reaches top_p) -> min-p (drop tokens under min_p x the top
 probability) -> draw.
 
-The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d., which picks token i with
-probability p_i. A seeded request draws its E from its own torch.Generator, exactly one vector of
-vocabulary size per sampled token, so its output depends on its seed alone and never on which
-other requests share the batch (or on a preemption in between). Unseeded rows share the process
-RNG.
+Every step is a few operations on the whole [B, vocab] block, whatever the mix of requests: the
+penalty is one gather and one scatter over all penalised (row, token) pairs, the warpers take
+per-row parameter vectors, and the draw is by inverse CDF: one uniform u per row, and the token
+is the first whose cumulative probability exceeds u x the row's total (a token of probability 0
+has an empty interval and is never drawn). A seeded request draws its u from its own
+torch.Generator, exactly one number per sampled token, so its output depends on its seed alone
+and never on which other requests share the batch (or on a preemption in between); unseeded rows
+draw theirs from the process RNG in one call. The cumulative sums are float32: a token's
+probability is kept to about 1e-7 of the row's total.
 
 Logprobs (when asked) are of the model's own distribution, log_softmax of the raw logits, before
 penalty and warping, like vLLM's default.
@@ -34,12 +38,22 @@ class TokenLogprob:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """In place on the rows whose request has a penalty: every token of its prompt or output (once,
+    however often it occurs) has a positive logit divided by the penalty, a negative one multiplied."""
+    rows, cols, pens = [], [], []
     for b, req in enumerate(reqs):
         penalty = req.params.repetition_penalty
         if penalty != 1.0:
-            ids = torch.tensor(req.tokens, dtype=torch.long, device=logits.device)
-            seen = logits[b, ids]
-            logits[b, ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
+            rows += [b] * len(req.tokens)
+            cols += req.tokens
+            pens += [penalty] * len(req.tokens)
+    if not rows:
+        return logits
+    dev = logits.device
+    rows_t, cols_t = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
+    pen = torch.tensor(pens, device=dev, dtype=logits.dtype)
+    seen = logits[rows_t, cols_t]  # read all before writing: a token seen twice is penalised once
+    logits[rows_t, cols_t] = torch.where(seen < 0, seen * pen, seen / pen)
     return logits
 
 
@@ -69,11 +83,20 @@ def warp(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
-def draw(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    race = torch.empty_like(probs)
+def uniforms(reqs: list[Request], device) -> torch.Tensor:
+    """One U[0, 1) per request: from its own generator when seeded, else from the process RNG."""
+    u = torch.rand(len(reqs), device=device)
     for b, req in enumerate(reqs):
-        race[b].exponential_(generator=req.generator)  # None: the process RNG
-    return (probs / race).argmax(-1)
+        if req.generator is not None:
+            u[b] = torch.rand((), generator=req.generator, device=device)
+    return u
+
+
+def draw(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """probs [B, V] (rows need not sum to exactly 1) -> one token per row, token i with probability p_i."""
+    cdf = probs.cumsum(-1)
+    x = uniforms(reqs, probs.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def first_argmax(x: torch.Tensor, block: int = 256) -> torch.Tensor:

@@ -74,18 +74,23 @@ class Scheduler:
         self.num_cached_tokens = 0  # of those, served by the radix cache
 
     # ---- queue ----
-    def add(self, req: Request) -> None:
+    def refusal(self, num_prompt: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never run (None: it can). Reads only fixed sizes: any thread may ask."""
         # The last sampled token is never written, so a request needs prompt + max_tokens - 1 positions.
-        positions = req.num_prompt + req.params.max_tokens - 1
+        positions = num_prompt + max_tokens - 1
         need = pages_for(positions, self.pool.page_size)
         if positions > self.max_context:
-            raise RequestTooLarge(f"request {req.rid}: {req.num_prompt} prompt tokens + max_tokens "
-                                  f"{req.params.max_tokens} exceed the context limit of {self.max_context} "
-                                  f"tokens; shorten the prompt or lower max_tokens")
+            return (f"{num_prompt} prompt tokens + max_tokens {max_tokens} exceed the context limit of "
+                    f"{self.max_context} tokens; shorten the prompt or lower max_tokens")
         if need > self.pool.num_pages:
-            raise RequestTooLarge(f"request {req.rid}: {req.num_prompt} prompt tokens + max_tokens "
-                                  f"{req.params.max_tokens} need {need} KV pages, the pool has "
-                                  f"{self.pool.num_pages}; give the cache more memory or lower max_tokens")
+            return (f"{num_prompt} prompt tokens + max_tokens {max_tokens} need {need} KV pages, the pool has "
+                    f"{self.pool.num_pages}; give the cache more memory or lower max_tokens")
+        return None
+
+    def add(self, req: Request) -> None:
+        why = self.refusal(req.num_prompt, req.params.max_tokens)
+        if why is not None:
+            raise RequestTooLarge(f"request {req.rid}: {why}")
         req.status = WAITING
         self.waiting.append(req)
 

@@ -1,13 +1,24 @@
 """The decoder shared by train and infer: config, RoPE, attention protocol, model, checkpoints.
 
 Imports only torch, safetensors and json. See each module's docstring for its guarantees.
+Names are loaded from their module on first use (PEP 562): `astrai.model.config` (the presets a
+recipe is checked against) imports without torch, so checking or skipping a recipe never loads it.
 """
 
-from astrai.model.attention import AttentionContext, CausalContext, causal_sdpa
-from astrai.model.hf_checkpoint import load_model, read_config, save_model
-from astrai.model.config import PRESETS, ModelConfig
-from astrai.model.rope import Rotary, apply_rotary, inv_freq
-from astrai.model.transformer import CausalLM, load_balancing_loss
+import importlib
 
-__all__ = ["AttentionContext", "CausalContext", "CausalLM", "ModelConfig", "PRESETS", "Rotary", "apply_rotary",
-           "causal_sdpa", "inv_freq", "load_balancing_loss", "load_model", "read_config", "save_model"]
+_HOME = {
+    **dict.fromkeys(("AttentionContext", "CausalContext", "causal_sdpa"), "attention"),
+    **dict.fromkeys(("load_model", "read_config", "save_model"), "hf_checkpoint"),
+    **dict.fromkeys(("PRESETS", "ModelConfig"), "config"),
+    **dict.fromkeys(("Rotary", "apply_rotary", "inv_freq"), "rope"),
+    **dict.fromkeys(("CausalLM", "load_balancing_loss"), "transformer"),
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'astrai.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"astrai.model.{_HOME[name]}"), name)

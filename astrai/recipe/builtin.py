@@ -37,19 +37,22 @@ PREPROCESS = StageKind(
     refs={"tokenizer": ("tokenizer", "model")}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
     code=("astrai.data", "astrai.config", "astrai.schema", "astrai.recipe.preprocess_stage"),
     describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
-    figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"))
+    figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"),
+    stamped=("train", "val"))
 
 
 def _train_kind() -> StageKind:
     from astrai.model.config import PRESETS
-    from astrai.recipe.train_stage import TrainStageOptions, check_train, describe_train, run_train_stage
+    from astrai.recipe.train_stage import (GROWABLE, TrainStageOptions, check_train, continues_train, describe_train,
+                                           run_train_stage)
 
     return StageKind(
         "train", TrainStageOptions, run_train_stage, produces="model",
         refs={"data": ("data",), "val_data": ("data",), "model": ("model",)}, path_refs=frozenset({"model"}),
         literals={"model": tuple(PRESETS)},
         code=("astrai.train", "astrai.model", "astrai.recipe.train_stage"), describe=describe_train,
-        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop"))
+        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop"),
+        stamped=("final",), unstamped=("eval.json",), growable=GROWABLE, continues=continues_train)
 
 
 def _eval_kind() -> StageKind:

@@ -37,7 +37,7 @@ def check_eval(options: EvalStageOptions, base_dir: Path, upstream: dict) -> lis
     problems = []
     data = upstream.get("data") or {}
     model = upstream.get("model") or {}
-    if options.split == "val" and data.get("held_out") is False:  # unknown (its own problem): no cascade
+    if options.split == "val" and data.get("held_out") is False:  # absent: that stage has its own problem
         problems.append(("data", f"'{options.data}' holds no records out: set holdout (e.g. 0.1) in that stage, "
                                  f"or split: train to evaluate on training data"))
     if data.get("data_kind") in ("dpo", "grpo"):

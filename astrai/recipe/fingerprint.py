@@ -85,3 +85,55 @@ def input_digests(patterns: Iterable[str], base_dir: Path) -> list[list[str]]:
 def stage_fingerprint(kind: str, code: str, options: dict, files: dict, upstream: dict) -> str:
     payload = {"kind": kind, "code": code, "options": options, "files": files, "upstream": upstream}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ---- what a finished stage left: a stamp checked before the stage counts as up to date ----------
+
+# Never part of a stage's product: temporaries and markers (dot names) and the Arrow caches that
+# reading preprocessed data builds beside it; a kind may name more (`unstamped`: the report
+# `astrai eval` writes beside the model it read).
+def _ignored(rel: Path, names: tuple[str, ...]) -> bool:
+    return any(p.startswith(".") or p == "cache" for p in rel.parts[:-1]) or rel.name.startswith(".") \
+        or rel.name in names
+
+
+def _stamped(output: Path, parts: tuple[str, ...], names: tuple[str, ...] = ()) -> dict[str, Path]:
+    roots = [output / p for p in parts] if parts else [output]
+    files = []
+    for r in roots:
+        if r.is_file():
+            files.append(r)
+        elif r.is_dir():
+            files.extend(f for f in r.rglob("*") if f.is_file())
+    return {f.relative_to(output).as_posix(): f for f in sorted(files) if not _ignored(f.relative_to(output), names)}
+
+
+def _stat(f: Path) -> list[int]:
+    st = f.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def output_stamp(output: Path, parts: tuple[str, ...] = (), names: tuple[str, ...] = ()) -> dict[str, list]:
+    """{relative path: [size, mtime_ns, ctime_ns, inode, sha256]} of the files a stage produced
+    (`parts`: only these subpaths of its output; empty: all of it; files called one of `names` left out)."""
+    return {rel: _stat(f) + [file_digest(f)] for rel, f in _stamped(Path(output), parts, names).items()}
+
+
+def output_changes(output: Path, parts: tuple[str, ...], recorded, names: tuple[str, ...] = ()) -> "str | None":
+    """The first difference between the output now and its recorded stamp, or None. As git's index
+    does: a file whose size, times and inode all match is unchanged (ctime cannot be set back by
+    hand); any other is hashed and compared, so a copy with the same bytes still counts as unchanged."""
+    if not isinstance(recorded, dict):
+        return "its record in stage.json is unreadable"
+    now = _stamped(Path(output), parts, names)
+    for rel, rec in recorded.items():
+        f = now.get(rel)
+        if f is None:
+            return f"{rel} was removed"
+        if not (isinstance(rec, list) and len(rec) == 5):
+            return f"the record of {rel} is unreadable"
+        st = _stat(f)
+        if st != rec[:4] and (st[0] != rec[0] or file_digest(f) != rec[4]):
+            return f"{rel} was changed"
+    added = sorted(set(now) - set(recorded))
+    return f"{added[0]} was added" if added else None

@@ -17,7 +17,13 @@ plus the facts that let `astrai run` chain stages without knowing them:
   compares only what it finds, so every problem is still reported in one go);
 - `extra(options, base_dir)`: anything else the output depends on that the options only name
   (e.g. the files of the tokenizer a pipeline names), added to the fingerprint;
-- `figures`: metric keys shown in the end-of-run table.
+- `figures`: metric keys shown in the end-of-run table;
+- `stamped`: the parts of its output that are its product (default: all of it), stamped when the
+  stage finishes; a stage whose product changed by hand since is not up to date; `unstamped`: file
+  names in it that other tools write beside the product (astrai eval's eval.json beside a model);
+- `growable` + `continues(old_options, new_options)`: options that may grow without starting over
+  (a train stage's max_steps/epochs): when nothing else changed and `continues` agrees, the stage's
+  replacement starts from a copy of its previous output (ctx.resume) instead of from scratch.
 
 NOTE: nothing here imports torch; a kind's run function imports what it needs when it runs.
 """
@@ -64,6 +70,10 @@ class StageKind:
     check: Optional[Check] = None
     extra: Optional[Extra] = None
     figures: tuple[str, ...] = ()
+    stamped: tuple[str, ...] = ()
+    unstamped: tuple[str, ...] = ()
+    growable: tuple[str, ...] = ()
+    continues: Optional[Callable[[dict, BaseModel], bool]] = None
 
 
 def describe_stage(kind: StageKind, options: BaseModel, base_dir: Path, upstream: Mapping[str, dict]) -> dict[str, Any]:

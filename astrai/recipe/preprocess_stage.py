@@ -3,11 +3,12 @@
 Output (RUN/<stage>/output/):
     train/      the preprocess output of the kept records (manifest.json, stats.json, data/*.parquet)
     val/        the same for the held-out records, when `holdout` > 0
-    split/      train.jsonl and val.jsonl: the records each side was made from (holdout > 0 only)
 
-The split is by record position, never random: record i (0-based, in input order) is held out
-when floor((i + 1) * holdout) > floor(i * holdout), which spreads the held-out records evenly
-(holdout 0.1 -> records 9, 19, 29, ...). Same inputs, same split.
+The split is by position, never random, and made while reading the user's own files (nothing is
+copied, and every reject names the user's file and line): position i (0-based over the input
+files in order: a JSONL line, a row, a list element) is held out when floor((i + 1) * holdout) >
+floor(i * holdout), which spreads the held-out records evenly (holdout 0.1 -> positions 9, 19,
+29, ...). Same inputs, same split (astrai.data.holdout).
 
 What the stage will produce is known from its options before any work (`describe_preprocess`):
 the data kind (labels | text | dpo | grpo, the names the train stage uses), whether rows are packed,
@@ -16,8 +17,6 @@ and which tokenizer made them, so a train or eval stage can refuse the wrong dat
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from pathlib import Path
 from typing import Literal, Optional
@@ -25,9 +24,8 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from astrai.config.loading import get_in, raise_combination_problems
-from astrai.errors import InputError, RecordError
 
-TRAIN, VAL, SPLIT = "train", "val", "split"
+TRAIN, VAL = "train", "val"
 
 
 class PreprocessOptions(BaseModel):
@@ -65,10 +63,6 @@ def data_dirs(output: Path) -> tuple[Path, Optional[Path]]:
     output = Path(output)
     val = output / VAL
     return output / TRAIN, (val if (val / "manifest.json").exists() else None)
-
-
-def is_held_out(i: int, share: float) -> bool:
-    return share > 0 and math.floor((i + 1) * share) > math.floor(i * share)
 
 
 def load_stage_pipeline(options: PreprocessOptions, base_dir: Path):
@@ -139,6 +133,7 @@ def preprocess_extra(options: PreprocessOptions, base_dir: Path) -> dict:
 
 
 def run_preprocess_stage(ctx) -> dict:
+    from astrai.data.holdout import Holdout
     from astrai.data.preprocess import run_preprocess
 
     opts: PreprocessOptions = ctx.options
@@ -146,50 +141,21 @@ def run_preprocess_stage(ctx) -> dict:
     inputs = [p if os.path.isabs(p) else str(ctx.base_dir / p) for p in opts.inputs]
     tokenizer = str(ctx.inputs["tokenizer"]) if "tokenizer" in ctx.inputs else None
     pipe_dir = str((ctx.base_dir / opts.pipeline).parent)
-    sides = {TRAIN: inputs}
-    if opts.holdout > 0:
-        counts = split_records(inputs, opts.holdout, ctx.output / SPLIT)
-        ctx.log(f"held out {counts[VAL]} of {counts[TRAIN] + counts[VAL]} records for validation")
-        sides = {TRAIN: [str(ctx.output / SPLIT / "train.jsonl")], VAL: [str(ctx.output / SPLIT / "val.jsonl")]}
+    sides = [TRAIN, VAL] if opts.holdout > 0 else [TRAIN]
     metrics = {}
-    for side, files in sides.items():
-        stats = run_preprocess(pipeline, files, str(ctx.output / side), tokenizer=tokenizer, workers=opts.workers,
-                               base_dir=pipe_dir, log=ctx.log, executor=opts.executor, ray_address=opts.ray_address)
+    for side in sides:
+        holdout = Holdout(opts.holdout, side) if opts.holdout > 0 else None
+        stats = run_preprocess(pipeline, inputs, str(ctx.output / side), tokenizer=tokenizer, workers=opts.workers,
+                               base_dir=pipe_dir, log=ctx.log, executor=opts.executor, ray_address=opts.ray_address,
+                               holdout=holdout)
         prefix = "" if side == TRAIN else "val_"
         for key in ("records_read", "records_kept", "records_filtered", "records_rejected", "rows", "tokens",
                     "trained_tokens"):
             if key in stats:
                 metrics[prefix + key] = stats[key]
-        if side == TRAIN and "packing" in stats and isinstance(stats["packing"], dict):
-            metrics["packing_efficiency"] = stats["packing"].get("efficiency")
+        if side == TRAIN and stats.get("packing_efficiency") is not None:
+            metrics["packing_efficiency"] = stats["packing_efficiency"]
+    if opts.holdout > 0:
+        ctx.log(f"held out {metrics['val_records_read']} of {metrics['records_read'] + metrics['val_records_read']} "
+                f"records for validation")
     return metrics
-
-
-def split_records(inputs: list[str], share: float, out: Path) -> dict:
-    """Write out/train.jsonl and out/val.jsonl from the inputs' records in order; return the counts."""
-    from astrai.data.read import expand_inputs, plan_partitions, read_partition
-
-    files = expand_inputs(inputs)
-    if not files:
-        raise InputError(f"preprocess inputs {inputs}: no files found")
-    out.mkdir(parents=True, exist_ok=True)
-    counts = {TRAIN: 0, VAL: 0}
-    tmp = {side: out / f".{side}.jsonl.tmp" for side in counts}
-    handles = {side: open(tmp[side], "w", encoding="utf-8") for side in counts}
-    try:
-        i = 0
-        for part in plan_partitions(files, 64 << 20):
-            for batch in read_partition(part, 512):
-                for record, where in batch:
-                    if isinstance(record, RecordError):
-                        raise InputError(str(record.located(part.file, where)))
-                    side = VAL if is_held_out(i, share) else TRAIN
-                    handles[side].write(json.dumps(record, ensure_ascii=False, sort_keys=False) + "\n")
-                    counts[side] += 1
-                    i += 1
-    finally:
-        for h in handles.values():
-            h.close()
-    for side in counts:
-        os.replace(tmp[side], out / f"{side}.jsonl")
-    return counts

@@ -3,13 +3,21 @@
 For each selected stage (all; or `from_stage` and every later one; or `only` one):
 - its fingerprint (recipe/fingerprint.py) is computed from its options, code, input files and the
   outputs of the stages it reads, as recorded when those completed;
-- up to date (RUN/<stage>/stage.json says done with this fingerprint) -> skipped, and says so;
+- up to date (RUN/<stage>/stage.json says done with this fingerprint, and its output still matches
+  the stamp taken when it finished: a hand-edited output is not up to date) -> skipped, and says so;
 - a previous run with the same fingerprint that stopped part way (killed, Ctrl-C, failed) ->
   rerun in the same output directory with `ctx.resume` set: preprocess skips its finished
   partitions, train continues from its last checkpoint;
-- otherwise (new, changed, or --force) -> its old output is removed and it runs from scratch.
+- a finished output that must be replaced (new options, code or inputs, an edited output, --force)
+  -> the replacement is made in RUN/<stage>/output.next while the finished output stays in place,
+  and swapped in only when complete (rundir.StageDir.swap_in_next): a Ctrl-C keeps the last good
+  model, and the next run resumes the replacement. When only a kind's `growable` options grew (a
+  train stage's max_steps or epochs) the replacement starts from a copy of the previous output and
+  continues it. The table says which output was replaced or continued;
+- otherwise (new, or an unfinished output of other options) -> it runs from scratch in place.
 Stages outside the selection are never run; a selected stage that reads one of them needs it done
-and current, which is checked before any work starts.
+and current, which is checked before any work starts. The run directory must be ours or empty
+(rundir.RunDir.claim), and one run holds it at a time.
 
 A stage's output is RUN/<stage>/output/, unless its metrics name another directory as `points_to`
 (a checkpoint stage points at the checkpoint instead of copying it): later stages read that one.
@@ -21,6 +29,8 @@ reporting `loss_curve` ({"train": [[step, loss], ...], "val": [...]}) gets a los
 from __future__ import annotations
 
 import difflib
+import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +39,7 @@ from typing import Callable, Mapping, Optional
 from astrai.config import ConfigError, Problem
 from astrai.recipe import fingerprint as fpr
 from astrai.recipe.kinds import StageContext, StageKind
-from astrai.recipe.rundir import RunDir, write_json
+from astrai.recipe.rundir import RunDir, StageDir, write_json
 from astrai.recipe.spec import RecipeSpec, StageSpec
 from astrai.recipe.table import figures_text, render_table
 
@@ -65,10 +75,10 @@ class Runner:
 
     # -- fingerprints ---------------------------------------------------------------------------
 
-    def fingerprint(self, stage: StageSpec) -> str:
-        """From the options and the recorded outputs of upstream stages (which must be done)."""
+    def fingerprint(self, stage: StageSpec, leave_out: tuple[str, ...] = ()) -> str:
+        """From the options (but `leave_out`) and the recorded outputs of upstream stages (which must be done)."""
         kind = self.kinds[stage.kind]
-        options = stage.options.model_dump(mode="json")
+        options = {k: v for k, v in stage.options.model_dump(mode="json").items() if k not in leave_out}
         files = {f: fpr.input_digests(_as_list(options.get(f)), self.recipe.base_dir) for f in kind.files}
         upstream = {}
         for f, name in sorted(stage.refs.items()):
@@ -111,7 +121,7 @@ class Runner:
         if state is None or state.get("status") != "done":
             problems.append(Problem(flag, f"'{stage.name}' has no finished output in {sd.root}, and it is not "
                                           f"selected to run; run from '{stage.name}' (--from {stage.name})"))
-        elif not sd.is_current(self.fingerprint(stage)):
+        elif not sd.is_current(self.fingerprint(stage), _stamp(self.kinds[stage.kind])):
             problems.append(Problem(flag, f"'{stage.name}' is out of date (its options, code or inputs changed), "
                                           f"and it is not selected to run; run from '{stage.name}' "
                                           f"(--from {stage.name})"))
@@ -120,7 +130,10 @@ class Runner:
 
     def run(self, from_stage: Optional[str] = None, only: Optional[str] = None, force: bool = False) -> dict:
         selected = select_stages(self.recipe, from_stage, only)
+        self.run_dir.claim(self.recipe.name)
         with self.run_dir.lock():
+            for stage in self.recipe.stages:  # a swap a kill interrupted is put in order first
+                self.run_dir.stage(stage.name).recover(_stamp(self.kinds[stage.kind]))
             self.check_unselected_inputs(selected)
             rows: list[dict] = []
             started = time.time()
@@ -134,9 +147,14 @@ class Runner:
                 first_missing = len(rows)
                 for stage in self.recipe.stages[first_missing:]:
                     state = self.run_dir.stage(stage.name).state() or {}
-                    stopped = stage.index == first_missing and state.get("status") in ("failed", "interrupted")
-                    rows.append(self._row(stage, state["status"] if stopped else "not run", state.get("seconds")
-                                          if stopped else None))
+                    pending = state.get("pending") or {}
+                    if stage.index == first_missing and pending.get("status") in ("failed", "interrupted"):
+                        rows.append(self._row(stage, f"{pending['status']} (previous output kept)",
+                                              pending.get("seconds")))
+                    elif stage.index == first_missing and state.get("status") in ("failed", "interrupted"):
+                        rows.append(self._row(stage, state["status"], state.get("seconds")))
+                    else:
+                        rows.append(self._row(stage, "not run", None))
                 summary = self._summary(rows, time.time() - started)
                 write_json(self.run_dir.summary_file, summary)
                 self.log(render_table(rows))
@@ -146,20 +164,99 @@ class Runner:
         kind = self.kinds[stage.kind]
         sd = self.run_dir.stage(stage.name)
         fp = self.fingerprint(stage)
-        if not force and sd.is_current(fp):
-            self.log(f"[{stage.name}] up to date (fingerprint {fp[:12]}): skipped")
-            return self._row(stage, "skipped", None)
-        state = sd.state()
-        resume = bool(not force and state and state.get("fingerprint") == fp and state.get("status") != "done"
+        state = sd.state() or {}
+        done = state.get("status") == "done" and sd.output.exists()
+        if not force and done and state.get("fingerprint") == fp:
+            change = sd.changed(_stamp(kind))
+            if change is None:
+                if "pending" in state:  # a replacement for options given up since: no longer wanted
+                    sd.clear_next()
+                    sd.write_state({k: v for k, v in state.items() if k != "pending"})
+                self.log(f"[{stage.name}] up to date (fingerprint {fp[:12]}): skipped")
+                return self._row(stage, "skipped", None)
+            self.log(f"[{stage.name}] its output changed since it was made ({change}): running it again")
+        if done:
+            return self._replace(stage, sd, fp, state, force)
+        resume = bool(not force and state.get("fingerprint") == fp and state.get("status") != "done"
                       and sd.output.exists())
         if not resume:
             sd.clear_output()
         sd.output.mkdir(parents=True, exist_ok=True)
         began = time.time()
-        base = {"name": stage.name, "kind": stage.kind, "fingerprint": fp, "started": began,
-                "options": stage.options.model_dump(mode="json"), "refs": stage.refs, "paths": stage.paths}
+        base = self._base(stage, fp, began)
         sd.write_state({**base, "status": "running"})
         self.log(f"[{stage.name}] {'resuming' if resume else 'running'} ({stage.kind})")
+        try:
+            metrics = self._call(stage, sd, sd.output, resume)
+        except BaseException as e:
+            status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            sd.write_state({**base, "status": status, "seconds": time.time() - began,
+                            **({"error": str(e)} if status == "failed" else {})})
+            raise
+        seconds = time.time() - began
+        self._write_metrics(sd, metrics)
+        # Written last: this rename is what makes the stage done.
+        sd.write_state(self._done(stage, base, sd.output, seconds, resumed=resume))
+        return self._row(stage, "resumed" if resume else "ran", seconds)
+
+    def _replace(self, stage: StageSpec, sd: StageDir, fp: str, state: dict, force: bool) -> dict:
+        """Make the stage's new output beside its finished one, then swap; the finished output and its
+        state stay valid (for this run's readers too) until the swap."""
+        kind = self.kinds[stage.kind]
+        pending = state.get("pending") or {}
+        resume = bool(not force and pending.get("fingerprint") == fp and sd.next.exists())
+        continued = pending.get("continues") if resume else None
+        if not resume:
+            sd.clear_next()
+            base_fp = self.fingerprint(stage, kind.growable)
+            if (not force and kind.continues and state.get("base_fingerprint") == base_fp
+                    and kind.continues(state.get("options") or {}, stage.options)):
+                _link_copy(sd.output, sd.next)
+                continued = state.get("fingerprint")
+        sd.next.mkdir(parents=True, exist_ok=True)
+        began = time.time()
+        pend = {"fingerprint": fp, "status": "running", "started": began, "continues": continued}
+        sd.write_state({**state, "pending": pend})
+        how = "resuming its replacement" if resume else "continuing it" if continued else "replacing it"
+        self.log(f"[{stage.name}] {how} ({stage.kind}); the previous output stays in {sd.output} until the "
+                 f"new one is complete")
+        try:
+            metrics = self._call(stage, sd, sd.next, resume or bool(continued))
+        except BaseException as e:
+            status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            sd.write_state({**state, "pending": {**pend, "status": status, "seconds": time.time() - began,
+                                                 **({"error": str(e)} if status == "failed" else {})}})
+            self.log(f"[{stage.name}] {status}: the previous output is kept in {sd.output}; `astrai run` again "
+                     f"resumes the replacement")
+            raise
+        seconds = time.time() - began
+        metrics = _moved(metrics, str(sd.next), str(sd.output))
+        new_state = self._done(stage, self._base(stage, fp, began), sd.next, seconds, resumed=resume)
+        new_state["replaced"] = {"fingerprint": state.get("fingerprint"), "finished": state.get("finished"),
+                                 "output_id": state.get("output_id"), "continued": bool(continued)}
+        sd.swap_in_next()
+        self._write_metrics(sd, metrics)
+        sd.write_state(new_state)  # the new output is now the stage's; the old one can go
+        sd.drop_replaced()
+        row = self._row(stage, "continued" if continued else "replaced", seconds)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(state["finished"])) if state.get("finished") else "?"
+        row["figures"] = (row["figures"] + "  " if row["figures"] else "") + \
+            f"({'continued' if continued else 'replaced'} the output of {when})"
+        return row
+
+    def _base(self, stage: StageSpec, fp: str, began: float) -> dict:
+        return {"name": stage.name, "kind": stage.kind, "fingerprint": fp, "started": began,
+                "options": stage.options.model_dump(mode="json"), "refs": stage.refs, "paths": stage.paths}
+
+    def _done(self, stage: StageSpec, base: dict, output: Path, seconds: float, resumed: bool) -> dict:
+        kind = self.kinds[stage.kind]
+        return {**base, "status": "done", "seconds": seconds, "finished": time.time(),
+                "output_id": uuid.uuid4().hex, "resumed": resumed,
+                "base_fingerprint": self.fingerprint(stage, kind.growable),
+                "output_stamp": fpr.output_stamp(output, kind.stamped, kind.unstamped)}
+
+    def _call(self, stage: StageSpec, sd: StageDir, output: Path, resume: bool) -> dict:
+        kind = self.kinds[stage.kind]
         with open(sd.log_file, "a", encoding="utf-8") as log_file:
             def log(message: str):
                 log_file.write(f"{message}\n")
@@ -168,28 +265,23 @@ class Runner:
 
             inputs = {f: self._output_of(up) for f, up in stage.refs.items()}
             inputs.update({f: self._path(v) for f, v in stage.paths.items()})
-            ctx = StageContext(stage.name, stage.options, inputs, sd.output, self.recipe.base_dir, log, resume)
+            ctx = StageContext(stage.name, stage.options, inputs, output, self.recipe.base_dir, log, resume)
             try:
-                metrics = dict(kind.run(ctx) or {})
+                return dict(kind.run(ctx) or {})
             except KeyboardInterrupt:
-                sd.write_state({**base, "status": "interrupted", "seconds": time.time() - began})
                 log("interrupted: `astrai run` again resumes this stage")
                 raise
             except BaseException as e:
-                sd.write_state({**base, "status": "failed", "seconds": time.time() - began, "error": str(e)})
                 log(f"failed: {type(e).__name__}: {e}")
                 raise
-        seconds = time.time() - began
+
+    def _write_metrics(self, sd: StageDir, metrics: dict):
         write_json(sd.metrics_file, metrics)
         if metrics.get(LOSS_CURVE):
             from astrai.recipe.plot import write_loss_png
 
             write_loss_png(sd.loss_png, metrics[LOSS_CURVE])
             write_loss_png(self.run_dir.loss_png, metrics[LOSS_CURVE])
-        # Written last: this rename is what makes the stage done.
-        sd.write_state({**base, "status": "done", "seconds": seconds, "finished": time.time(),
-                        "output_id": uuid.uuid4().hex, "resumed": resume})
-        return self._row(stage, "resumed" if resume else "ran", seconds)
 
     # -- reporting ------------------------------------------------------------------------------
 
@@ -219,3 +311,37 @@ def _as_list(value) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
+
+
+def _stamp(kind: StageKind) -> tuple:
+    return kind.stamped, kind.unstamped
+
+
+def _link_copy(src: Path, dst: Path):
+    """A copy of a finished output to continue from: safetensors files (never changed in place: new
+    ones are written under new names and renamed) are hard-linked where the filesystem allows, every
+    other file (appended logs, JSON) is copied, so continuing never alters the output it copies."""
+    for f in sorted(src.rglob("*")):
+        target = dst / f.relative_to(src)
+        if f.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if f.suffix == ".safetensors":
+            try:
+                os.link(f, target)
+                continue
+            except OSError:
+                pass
+        shutil.copy2(f, target)
+
+
+def _moved(value, old: str, new: str):
+    """Metrics naming paths inside output.next name them inside output once it is swapped in."""
+    if isinstance(value, str):
+        return new + value[len(old):] if value == old or value.startswith(old + os.sep) else value
+    if isinstance(value, dict):
+        return {k: _moved(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_moved(v, old, new) for v in value]
+    return value

@@ -10,7 +10,8 @@
       eval: {model: sft, data: preprocess}
 
 `parse_recipe` validates every stage's options with its kind's model and resolves every reference,
-reporting every problem at once, each with its key path and YAML line and the fix: an unknown stage
+reporting every problem at once, each with its key path and YAML line and the fix: a stage name
+that is not a plain name (it names a folder of the run directory: `../x`, `/abs`, `1`), an unknown stage
 or kind ("did you mean"), a reference to a later stage or to itself, a cycle, a reference to the
 wrong sort of output, a missing input file, and whatever a consumer's `check` finds in what it
 reads (DPO pairs into an SFT stage, unpacked data where packing is required, another tokenizer).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import glob
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -91,15 +93,35 @@ def parse_recipe(data: Any, marks: dict, file: str, kinds: Mapping[str, StageKin
 
     order = list(raw)
     stages = []
+    seen: dict[str, str] = {}
     for index, stage_name in enumerate(order):
+        bad = _name_problem(stage_name, seen)
+        if bad:
+            problem(("stages", str(stage_name)), bad, key=True)
+            continue
         spec = _stage(stage_name, index, raw[stage_name], marks, file, kinds, problem, problems)
         if spec is not None:
             stages.append(spec)
-    stages = _resolve(stages, order, kinds, base_dir, problem)
+    stages = _resolve(stages, [str(n) for n in order], kinds, base_dir, problem)
     if problems:
         problems.sort(key=lambda p: (p.line or 0, p.column or 0))
         raise ConfigError(file, problems)
     return RecipeSpec(file, base_dir, str(name), run_dir, stages)
+
+
+STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
+
+def _name_problem(name: Any, seen: dict[str, str]) -> Optional[str]:
+    """A stage name is a plain name: it names a folder of the run directory, so nothing that could
+    leave it (`../x`, `/abs`, `a/b`), and not two names one case-insensitive filesystem would merge."""
+    if not isinstance(name, str) or not STAGE_NAME.fullmatch(name):
+        return (f"stage name {name!r} is not a plain name: use a letter, then letters, digits, _ or - "
+                f"(at most 64), e.g. sft or eval_2; it names the stage's folder in the run directory")
+    other = seen.setdefault(name.lower(), name)
+    if other != name:
+        return f"stage name '{name}' differs from '{other}' only in case; give stages distinct names"
+    return None
 
 
 def _stage(name, index, raw, marks, file, kinds, problem, problems) -> Optional[StageSpec]:

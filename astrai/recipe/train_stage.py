@@ -9,6 +9,8 @@ labels, dpo/grpo their own records), and eval_every has validation data to use.
 Killed or interrupted, the stage is rerun by `astrai run` in the same output directory, and
 run_train continues from its last checkpoint (resume: auto); the final loss equals an
 uninterrupted run's because checkpoints carry the optimizer, scheduler, RNG and sampler state.
+A finished stage whose max_steps or epochs grew (nothing else changed) is continued the same way
+from a copy of its output (`continues_train`); its product, stamped for "up to date", is final/.
 The validation loss is also measured before the first step, so the summary can say by how much
 training lowered it; the stage reports `loss_curve` for the run directory's loss.png.
 """
@@ -57,7 +59,8 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
         problems.append(("data", f"strategy {options.strategy} cannot train on '{options.data}', which makes "
                                  f"{kind} data; {fix}"))
     val = upstream.get("val_data") or data
-    if options.eval_every is not None and val.get("held_out") is False:  # unknown: no cascade
+    # `held_out` absent: the data stage has a problem of its own and is not described; say nothing
+    if options.eval_every is not None and val.get("held_out") is False:
         problems.append(("eval_every", f"validation needs held-out data: set holdout (e.g. 0.1) in stage "
                                        f"'{options.val_data or options.data}', or remove eval_every"))
     if options.lora is not None and "model" not in upstream:
@@ -71,6 +74,20 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
         problems.append(("val_data", f"'{options.val_data}' was preprocessed with another tokenizer than "
                                      f"'{options.data}'; use the same tokenizer for both"))
     return problems
+
+
+GROWABLE = ("max_steps", "epochs")
+
+
+def continues_train(old: dict, new: TrainStageOptions) -> bool:
+    """A finished run can be continued (from its last checkpoint, as `astrai train` resumes) when
+    max_steps or epochs grew and nothing else changed (the runner compares everything else): a
+    shorter run, or resume: never, starts over. max_steps null is unbounded."""
+    if new.resume != "auto" or not isinstance(old.get("epochs"), int):
+        return False
+    before, after = old.get("max_steps"), new.max_steps
+    steps_grew = after is None or (before is not None and after >= before)
+    return steps_grew and new.epochs >= old["epochs"] and (before, old["epochs"]) != (after, new.epochs)
 
 
 def describe_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> dict:

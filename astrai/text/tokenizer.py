@@ -166,6 +166,21 @@ def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> T
     return Tokenizer(tok, path, special_map, chat_template, special_ids, h.hexdigest())
 
 
+# what makes token ids mean what they mean (tokenizer.json's sections); not truncation/padding
+# settings, the post-processor or the decoder, which a transformers save may rewrite
+_CONTENT = ("model", "added_tokens", "normalizer", "pre_tokenizer")
+
+
+def content_digest(tokenizer: Tokenizer) -> str:
+    """sha256 of the tokenizer's vocabulary, merges, added tokens, normalizer and pre-tokenizer:
+    equal for two tokenizers exactly when text becomes the same ids and ids mean the same tokens,
+    whatever files they were loaded from (a checkpoint's re-saved tokenizer.json still matches the
+    data's). The manifest records it; eval compares the checkpoint's against it."""
+    data = json.loads(tokenizer.tok.to_str())
+    canon = json.dumps({k: data.get(k) for k in _CONTENT}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
 def with_added_tokens(tokenizer: Tokenizer, tokens: list[str]) -> Tokenizer:
     """A copy with `tokens` added as special tokens where missing (as tokenizer.add_special_tokens does)."""
     missing = [t for t in tokens if tokenizer.tok.token_to_id(t) is None]

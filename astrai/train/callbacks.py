@@ -62,8 +62,9 @@ class GradientClipping(Callback):
 
 class Checkpoint(Callback):
     """Every `every` optimizer steps, at the end, on a stop signal, and on an error raised at a step
-    boundary (mid-step state is never saved: it could not resume exactly; nor under fsdp with
-    several ranks, where the state cannot be gathered from a failing rank)."""
+    boundary in one process (mid-step state is never saved: it could not resume exactly; nor with
+    several ranks, where a save is collective and the failing rank's peers may never join it; nor
+    after non-finite weights)."""
 
     def __init__(self, every: int):
         self.every = every
@@ -76,24 +77,29 @@ class Checkpoint(Callback):
             trainer.save_checkpoint()
 
     def on_error(self, trainer, error):
-        # sharded, gathering the full state needs every rank, and the others are not here: no save
-        if trainer.sharded and trainer.dist.active:
+        from astrai.train.trainer import NonFiniteError
+
+        if trainer.dist.active or isinstance(error, NonFiniteError):
             return
-        if trainer.state.at_boundary and trainer.state.global_step > 0:
+        if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:
             trainer.save_checkpoint()
 
     def on_train_end(self, trainer):
-        if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:
+        s = trainer.state
+        if s.completed and s.at_boundary and s.global_step > s.saved_step:
             trainer.save_checkpoint()
 
 
 class Metrics(Callback):
-    """One JSON line per `log_every` optimizer steps (loss, aux losses, lr, grad norm, tokens/s),
-    validation loss every `eval_every` steps and at the end; rank 0 writes, all ranks compute."""
+    """One JSON line per `log_every` optimizer steps (loss, aux losses, lr, grad norm, tokens/s), and
+    whenever there is validation data, the validation loss every `eval_every` steps and once at the
+    end of a completed run (not twice when eval_every divides the last step); rank 0 writes, all
+    ranks compute."""
 
     def __init__(self, path: Path, log_every: int, eval_every):
         self.path, self.log_every, self.eval_every = Path(path), log_every, eval_every
         self._t = 0.0
+        self._validated_at = None
 
     def _write(self, trainer, rec: dict):
         trainer.state.history.append(rec)
@@ -117,7 +123,16 @@ class Metrics(Callback):
             self._t = now
             self._write(trainer, rec)
         if self.eval_every and s.global_step % self.eval_every == 0:
-            self._write(trainer, {"step": s.global_step, "val_loss": trainer.validate()})
+            self._validate(trainer)
+
+    def _validate(self, trainer):
+        self._validated_at = trainer.state.global_step
+        self._write(trainer, {"step": trainer.state.global_step, "val_loss": trainer.validate()})
+
+    def on_train_end(self, trainer):
+        s = trainer.state
+        if s.completed and trainer.val_dataset is not None and self._validated_at != s.global_step:
+            self._validate(trainer)
 
 
 class ProgressBar(Callback):

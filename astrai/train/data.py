@@ -4,7 +4,8 @@
 whole), tells what kind of rows they are (single-output with or without labels, DPO pairs, GRPO
 groups) and rebuilds the tokenizer the data was made with (the manifest's tokenizer plus the
 pipeline's added tokens), so checkpoints carry exactly that tokenizer and the model's vocabulary
-can be checked against it. `compat_problems` lists every invalid combination at once, each with
+can be checked against it; a tokenizer directory whose files changed since preprocessing (its
+fingerprint differs from the manifest's) is refused. `compat_problems` lists every invalid combination at once, each with
 its fix.
 """
 
@@ -14,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from astrai.data.load import ShardDataset
+from astrai.errors import InputError
 from astrai.schema import INPUT_IDS, LABELS
 
 
@@ -35,12 +37,22 @@ class TrainData:
         return len(self.dataset)
 
     @property
+    def tokenizer_fingerprint(self) -> str:
+        return str((self.dataset.manifest.get("tokenizer") or {}).get("fingerprint", ""))
+
+    @property
     def tokenizer(self):
+        """The tokenizer the data was made with, refused when its files changed since (the manifest
+        records their fingerprint): training must not ship another tokenizer than its data's."""
         if self._tok is None:
             from astrai.text.tokenizer import load_tokenizer, with_added_tokens
 
             man = self.dataset.manifest
             tok = load_tokenizer(man["tokenizer"]["path"])
+            if tok.fingerprint != self.tokenizer_fingerprint:
+                raise InputError(f"{self.dir}: the tokenizer it was made with, {tok.path}, changed since (fingerprint "
+                                 f"{tok.fingerprint[:12]}, the manifest records {self.tokenizer_fingerprint[:12]}); "
+                                 f"restore it, or preprocess the data again with the tokenizer as it is now")
             self._tok = with_added_tokens(tok, man["pipeline"].get("added_tokens") or [])
         return self._tok
 

@@ -16,9 +16,10 @@ changes nothing there; under torchrun, gloo on CPU and nccl on CUDA. Every rank 
 Checkpoints stay what transformers loads: under fsdp every rank takes part in gathering the FULL
 model and optimizer state (torch.distributed.checkpoint.state_dict, full_state_dict + CPU
 offload, so only rank 0 holds it), rank 0 writes it, and the others wait at a barrier until it is
-on disk. Resume reads the full state on every rank and loads it into the shards. An fsdp
-optimizer.pt is keyed by parameter name (the plain one by index); either loads into either mode.
-Only rank 0 writes files (checkpoints, metrics).
+on disk. Resume reads the full state on every rank and loads it into the shards. The saved
+optimizer state is keyed by parameter name in every mode (`named_optimizer_state`), so it loads
+into either mode; an index-keyed state (torch's own) is re-keyed on load. Only rank 0 writes files
+(checkpoints, metrics), except that every rank writes its own generator state into a checkpoint.
 
 Tested on CPU with gloo, 2 processes (tests/train/test_fsdp.py, test_run.py): fsdp gives the losses,
 gradient norms and validation loss of 1 process with the doubled batch (sft with tied embeddings;
@@ -191,11 +192,16 @@ def full_model_state(model: torch.nn.Module, trainable_only: bool = False) -> di
     return get_model_state_dict(model, options=_full_options(cpu_offload=True, ignore_frozen_params=trainable_only))
 
 
-def full_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
-    """The unsharded optimizer state (keyed by parameter name when sharded); collective like
-    full_model_state."""
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name (a tied weight under its first name, as named_parameters gives it)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def named_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
+    """The unsharded optimizer state keyed by parameter name; collective like full_model_state
+    (rank 0 gets the tensors when sharded)."""
     if not is_sharded(model):
-        return optimizer.state_dict()
+        return _rekey_by_name(model, optimizer, optimizer.state_dict())
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
@@ -234,7 +240,7 @@ def _keyed_by_name(optim_sd: dict) -> bool:
 def _rekey_by_name(model, optimizer, optim_sd: dict) -> dict:
     """Index-keyed optimizer state -> name-keyed: the saved groups list their parameters in the
     order this optimizer was built (build_optimizer walks named_parameters the same way)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = parameter_names(model)
     state, groups = {}, []
     for saved, live in zip(optim_sd["param_groups"], optimizer.param_groups):
         if len(saved["params"]) != len(live["params"]):

@@ -1,102 +1,221 @@
-"""Trainer checkpoints: everything an exact resume needs, written atomically.
+"""Trainer checkpoints: everything an exact resume needs, written atomically, read without pickle.
 
 A checkpoint is a directory `checkpoints/step-00000040/` holding
   config.json + model.safetensors  (a Hugging Face model: transformers loads it as is), or with LoRA
                                    only the adapters (adapter_config.json + adapter_model.safetensors,
                                    PEFT's format; the frozen base is the run's `model`, not copied)
   tokenizer files of the data      (so `astrai generate` needs nothing else)
-  optimizer.pt, scheduler.pt       (torch state dicts; an fsdp run's optimizer.pt is the full state
-                                   keyed by parameter name: astrai.train.distributed)
-  rng.pt                           (python, numpy, torch CPU and CUDA generator states)
-  trainer_state.json               (step, epoch, position in the epoch = the sampler state, options)
-It is written under `.step-00000040.tmp-<pid>` and renamed when complete: a kill during a save
-leaves a hidden temporary directory (ignored, removed by the next save), never a directory that
-looks complete. `latest(root)` only considers finished directories.
+  optimizer.safetensors/.json, scheduler.json, rng-rank<R>.safetensors/.json
+                                   (astrai.train.state_files: tensors in safetensors, the rest in
+                                   JSON; every rank's own generators)
+  trainer_state.json               (step, epoch, position in the epoch = the sampler state, world
+                                   size, options); written last: it marks the directory complete
+Writing: every rank writes its generator files into `.step-00000040.tmp`, rank 0 the rest; then
+rank 0 fsyncs every file and the directory and renames it into place. A kill during a save leaves a
+hidden temporary directory (ignored, removed by the next save), never a directory that looks
+complete. Saving a step that exists already moves the old directory aside, renames the new one in,
+fsyncs, and only then deletes the old one (a kill in between leaves `.step-N.replaced`, which
+`latest` still finds and the next save puts back). Nothing with non-finite weights is ever saved
+(the trainer checks before calling `save`), so `prune` only ever removes a finite checkpoint in
+favour of a newer finite one.
+
+Reading (`load`) opens only the files above. A pickle container in the directory (optimizer.pt of
+an older astrai, or any *.pt/*.bin/*.pkl planted there) is never opened: loading stops with one line
+saying what to do (`python -m astrai.train.legacy DIR` converts our old format).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from astrai.model.adapter_files import read_weights, save_weights
-from astrai.train.distributed import load_full_state
+from astrai.train.distributed import Dist, barrier, load_full_state, parameter_names
+from astrai.train.state_files import (CheckpointError, pickle_files, read_optimizer, read_rng, read_scheduler,
+                                      rng_files, write_optimizer, write_rng, write_scheduler)
 
 STATE = "trainer_state.json"
-
-
-def rng_state() -> dict:
-    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def set_rng_state(s: dict):
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+FORMAT = 2  # 1: the torch.save (pickle) files of older astrai
+_STEP = re.compile(r"\.?step-(\d{8})(\.replaced)?")
+_INTS = ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step")
+LEGACY = ("optimizer.pt", "scheduler.pt", "rng.pt")
 
 
 def _name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def save(root: Path, step: int, model, optimizer, scheduler, state: dict,
-         write_tokenizer=None, model_sd: Optional[dict] = None, optim_sd: Optional[dict] = None) -> Path:
-    """`model_sd`/`optim_sd`: the full state dicts when they were gathered from a sharded model
-    (distributed.full_model_state, full_optimizer_state); by default the model's and optimizer's own."""
+def fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path):
+    for f in path.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(path)
+
+
+def save(root: Path, step: int, model, optimizer_state: dict, scheduler, state: dict, dist: Optional[Dist] = None,
+         write_tokenizer=None, model_sd: Optional[dict] = None, keep: Optional[int] = None) -> Path:
+    """Collective under torchrun: every rank calls it (each writes its own generator state).
+    `optimizer_state`: keyed by parameter name (distributed.named_optimizer_state), needed on rank 0;
+    `model_sd`: the full model state when it was gathered from a sharded model. `keep`: prune to the
+    newest `keep` checkpoints once this one is in place."""
+    d = dist or Dist()
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step-*.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
     final = root / _name(step)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    save_weights(model, tmp, model_sd)  # the model, or only its LoRA adapters
-    if write_tokenizer is not None:
-        write_tokenizer(tmp)
-    torch.save(optimizer.state_dict() if optim_sd is None else optim_sd, tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")  # last: marks completeness
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
+    tmp = root / f".{final.name}.tmp"
+    if d.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        _recover(root)
+        for stale in root.glob(".step-*.tmp*"):  # (older astrai added its pid)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    barrier(d)
+    write_rng(tmp, d.rank)  # every rank: its own generators
+    for name in rng_files(d.rank):
+        with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
-    if final.exists():  # the same step saved again (e.g. at the end right after a periodic save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if d.is_main:
+        save_weights(model, tmp, model_sd)  # the model, or only its LoRA adapters
+        if write_tokenizer is not None:
+            write_tokenizer(tmp)
+        write_optimizer(tmp, optimizer_state)
+        write_scheduler(tmp, scheduler.state_dict())
+    barrier(d)
+    if d.is_main:
+        missing = [r for r in range(d.world) if not all((tmp / n).exists() for n in rng_files(r))]
+        if missing:
+            raise CheckpointError(f"{tmp}: rank(s) {missing} wrote no generator state (is {root} on storage "
+                                  f"every rank sees?)")
+        (tmp / STATE).write_text(json.dumps({**state, "format": FORMAT, "world": d.world}, indent=2, sort_keys=True)
+                                 + "\n")
+        fsync_tree(tmp)
+        replace_dir(tmp, final)
+        if keep:
+            prune(root, keep)
+    barrier(d)  # no rank goes on before the checkpoint is on disk
     return final
 
 
+def replace_dir(tmp: Path, final: Path):
+    """Rename `tmp` to `final`; an existing `final` stays complete on disk until the new one is in place."""
+    root = final.parent
+    if final.exists():
+        aside = root / f".{final.name}.replaced"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        shutil.rmtree(aside)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+
+
+def _recover(root: Path):
+    """A save killed between its two renames left the finished directory aside: put it back."""
+    for aside in root.glob(".step-*.replaced"):
+        final = root / aside.name[1:-len(".replaced")]
+        if not final.exists() and (aside / STATE).exists():
+            os.replace(aside, final)
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+    fsync_dir(root)
+
+
+def _finished(root: Path) -> dict[int, Path]:
+    """step -> directory of every complete checkpoint (one moved aside by an interrupted re-save too)."""
+    out: dict[int, Path] = {}
+    if not Path(root).is_dir():
+        return out
+    for p in Path(root).iterdir():
+        m = _STEP.fullmatch(p.name)
+        if m and p.is_dir() and (p / STATE).is_file() and (p.name.startswith("step-") or m.group(2)):
+            step = int(m.group(1))
+            if step not in out or p.name.startswith("step-"):
+                out[step] = p
+    return out
+
+
 def latest(root: Path) -> Optional[Path]:
-    done = sorted(p for p in Path(root).glob("step-*") if (p / STATE).exists()) if Path(root).exists() else []
-    return done[-1] if done else None
+    done = _finished(root)
+    return done[max(done)] if done else None
 
 
 def prune(root: Path, keep: int):
-    done = sorted(p for p in Path(root).glob("step-*") if (p / STATE).exists())
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    done = _finished(root)
+    for step in sorted(done)[:-keep]:
+        shutil.rmtree(done[step], ignore_errors=True)
+    fsync_dir(Path(root))
 
 
-def load(path: Path, model, optimizer, scheduler) -> dict:
+def refuse_pickles(path: Path):
+    """Stop before reading anything from a checkpoint that holds pickle containers."""
+    found = pickle_files(path)
+    if not found:
+        return
+    if set(found) & set(LEGACY) and not (path / "optimizer.json").exists():
+        raise CheckpointError(f"{path}: training state in the pickle format of an older astrai ({', '.join(found)}), "
+                              f"which resuming never opens; convert it with `python -m astrai.train.legacy {path}` "
+                              f"(reads it with torch.load(weights_only=True)), or delete {path} to resume from "
+                              f"an earlier checkpoint")
+    raise CheckpointError(f"{path}: holds {', '.join(found)}, a pickle file astrai never opens (it could run code); "
+                          f"remove it to resume from this checkpoint")
+
+
+def read_state(path: Path) -> dict:
+    if not (path / STATE).is_file():
+        raise CheckpointError(f"{path / STATE}: not a regular file")
+    try:
+        saved = json.loads((path / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / STATE}: unreadable ({e})") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) and saved[k] >= 0 for k in _INTS):
+        raise CheckpointError(f"{path / STATE}: needs non-negative integers {', '.join(_INTS)}")
+    return saved
+
+
+def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None) -> dict:
     """Restore model weights (in place: the optimizer keeps its parameters; into the shards of an
-    fsdp model), optimizer, scheduler, RNG. Every rank reads the full files."""
+    fsdp model), optimizer, scheduler and this rank's generators. Every rank reads the full files."""
+    d = dist or Dist()
     path = Path(path)
-    sd, complete = read_weights(path, model)
+    refuse_pickles(path)
+    saved = read_state(path)
+    try:
+        sd, complete = read_weights(path, model)  # the whole model, or a LoRA run's adapters
+    except Exception as e:  # a truncated or foreign model file: one line, whatever safetensors raised
+        raise CheckpointError(f"{path}: cannot read the weights ({e})") from None
     current = model.state_dict()
-    load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()},
-                    torch.load(path / "optimizer.pt", weights_only=False), strict=complete)
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    return json.loads((path / STATE).read_text())
+    odd = sorted((set(sd) ^ set(current)) if complete else (set(sd) - set(current)))
+    odd = odd or [k for k in sd if tuple(sd[k].shape) != tuple(current[k].shape)]
+    if odd:
+        raise CheckpointError(f"{path}: its weights do not fit this model ({odd[0]}"
+                              f"{' and more' if len(odd) > 1 else ''}); resume needs the same model shape")
+    if not all(bool(torch.isfinite(t).all()) for t in sd.values() if t.is_floating_point()):
+        raise CheckpointError(f"{path}: holds non-finite weights; delete it to resume from an earlier checkpoint")
+    names = parameter_names(model)
+    live = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    optim_sd = read_optimizer(path, live, shapes)
+    load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()}, optim_sd, strict=complete)
+    read_scheduler(path, scheduler)
+    if all((path / n).exists() for n in rng_files(d.rank)):
+        read_rng(path, d.rank)
+    elif saved.get("world", 1) == d.world:
+        raise CheckpointError(f"{path}: no generator state for rank {d.rank} ({rng_files(d.rank)[1]})")
+    # else: another world size than the run that saved it; the generators keep this run's seeding
+    return saved

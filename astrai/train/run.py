@@ -4,23 +4,31 @@ Model source (`options.model`): a size preset (its vocabulary is sized to the da
 rounded up to a multiple of 64), a config.json (fresh weights), or a checkpoint directory
 (config.json + safetensors, ours or a transformers one). DPO/GRPO use a frozen copy of the
 initial model as the reference unless `ref_model` names one. Everything is checked before any
-training step. Rank 0 writes `OUTPUT/final/` (model + tokenizer: what transformers and
-`astrai generate` load) and `OUTPUT/metrics.jsonl`; checkpoints are under `OUTPUT/checkpoints/`.
+training step: the options against the data, and the data against what was written (shards and
+tokenizer: astrai.train.data). One run writes an output at a time: rank 0 holds OUTPUT's lock
+(astrai.runtime.output_lock) from before the first read of a checkpoint to the end, and a second
+run fails at once naming the holder. Rank 0 writes `OUTPUT/final/` (model + tokenizer: what
+transformers and `astrai generate` load; built aside and swapped in whole, never with non-finite
+weights) and `OUTPUT/metrics.jsonl`; checkpoints are under `OUTPUT/checkpoints/`.
 With `lora:`, adapters train on the frozen checkpoint and final/ holds them (astrai.train.adapters).
 """
 
 from __future__ import annotations
 
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from astrai.errors import InputError
 from astrai.model import CausalLM, ModelConfig
 from astrai.model.adapter_files import is_adapter, load_checkpoint
 from astrai.model.config import PRESETS
 from astrai.train.adapters import add_adapters, base_problem, reference, write_final
 from astrai.train.data import TrainData, compat_problems
-from astrai.train.distributed import finish, full_model_state, setup, teardown
+from astrai.train.distributed import all_sum, finish, full_model_state, setup, teardown
+from astrai.train.resume import fsync_tree, replace_dir
 from astrai.config.train import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
@@ -57,6 +65,43 @@ def build_model(spec: str, data: TrainData, seed: int, dtype: torch.dtype = torc
 def run_train(options: TrainOptions, callbacks=()) -> dict:
     if options.data is None:
         raise TrainConfigError("data is required: the preprocessed directory to train on")
+    dist = setup(options.device)
+    try:
+        with locked_output(Path(options.output), dist):
+            return _train(options, callbacks, dist)
+    finally:
+        teardown(dist)
+
+
+@contextmanager
+def locked_output(out: Path, dist):
+    """One writer per output directory (astrai.runtime.output_lock): rank 0 holds the lock for the
+    whole run; every rank learns whether it got it (one collective), so a refused run stops on all
+    ranks at once instead of leaving the others waiting."""
+    from astrai.runtime import OutputBusy, output_lock
+
+    lock, problem, existed = None, "", out.exists()
+    if dist.is_main:
+        try:
+            lock = output_lock(out).__enter__()
+        except (OutputBusy, NotADirectoryError) as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"output {out}: {e.strerror or e}; choose another output directory"
+    if all_sum([float(bool(problem))], dist)[0] > 0:
+        raise InputError(problem or f"output {out}: rank 0 could not lock it (see its error)")
+    try:
+        yield
+    except BaseException:
+        if lock is not None and not existed and not any(out.iterdir()):
+            out.rmdir()  # refused before any work (a bad combination, a changed tokenizer): leave no trace
+        raise
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def _train(options: TrainOptions, callbacks, dist) -> dict:
     data = TrainData(options.data)
     problem = base_problem(options, is_checkpoint(options.model))
     if problem:
@@ -66,6 +111,10 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
     val = TrainData(options.val_data) if options.val_data else None
     if val is not None and val.kind != data.kind:
         problems.append(f"val_data {val.dir} is {val.kind} data but data is {data.kind}")
+    if val is not None and val.tokenizer_fingerprint != data.tokenizer_fingerprint:
+        problems.append(f"val_data {val.dir} was made with another tokenizer (fingerprint "
+                        f"{val.tokenizer_fingerprint[:12]}) than data {data.dir} ({data.tokenizer_fingerprint[:12]}); "
+                        f"preprocess both with the same tokenizer")
     if problems:
         raise TrainConfigError("train config: " + "; ".join(problems))
 
@@ -76,24 +125,27 @@ def run_train(options: TrainOptions, callbacks=()) -> dict:
     strategy = make_strategy(options.strategy, ref, label_smoothing=options.label_smoothing, beta=options.dpo_beta,
                              clip_eps=options.grpo_clip_eps, kl_coef=options.grpo_kl_coef, updates=options.grpo_updates,
                              cache_ref=not (options.lora is not None and options.parallel == "fsdp"))
-    dist = setup(options.device)
-    try:
-        if isinstance(ref, torch.nn.Module):
-            ref.to(device=dist.device, dtype=getattr(torch, options.dtype))
-        trainer = Trainer(model, strategy, data.dataset, options, val_dataset=val.dataset if val else None,
-                          callbacks=tuple(callbacks), dist=dist, write_tokenizer=data.write_tokenizer)
-        state = trainer.fit()
-        final = Path(options.output) / "final"
+    if isinstance(ref, torch.nn.Module):
+        ref.to(device=dist.device, dtype=getattr(torch, options.dtype))
+    trainer = Trainer(model, strategy, data.dataset, options, val_dataset=val.dataset if val else None,
+                      callbacks=tuple(callbacks), dist=dist, write_tokenizer=data.write_tokenizer)
+    state = trainer.fit()
+    final = Path(options.output) / "final"
+    if state.stopped is None:
         merge = options.lora is None or options.lora.merge
         # collective under fsdp; the frozen base is gathered only to be merged
-        full = full_model_state(trainer.raw_model, trainable_only=not merge) if state.stopped is None else None
-        if dist.is_main and state.stopped is None:
-            write_final(trainer.raw_model, final, full, data.write_tokenizer, merge)
-        last = next((r for r in reversed(state.history) if "loss" in r), {})
-        val_loss = next((r["val_loss"] for r in reversed(state.history) if "val_loss" in r), None)
-        finish(dist)  # final/ is on disk before any rank returns; and see distributed.finish
-        return {"output": str(options.output), "final": str(final) if state.stopped is None else None,
-                "steps": state.global_step, "loss": last.get("loss"), "val_loss": val_loss,
-                "stopped": state.stopped}
-    finally:
-        teardown(dist)
+        full = full_model_state(trainer.raw_model, trainable_only=not merge)
+        trainer.check_finite_weights("final/")
+        if dist.is_main:
+            # written aside and swapped in whole: a kill leaves the previous final/ or the new one
+            tmp = final.with_name(".final.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_final(trainer.raw_model, tmp, full, data.write_tokenizer, merge)
+            fsync_tree(tmp)
+            replace_dir(tmp, final)
+    last = next((r for r in reversed(state.history) if "loss" in r), {})
+    val_loss = next((r["val_loss"] for r in reversed(state.history) if "val_loss" in r), None)
+    finish(dist)  # final/ is on disk before any rank returns; and see distributed.finish
+    return {"output": str(options.output), "final": str(final) if state.stopped is None else None,
+            "steps": state.global_step, "loss": last.get("loss"), "val_loss": val_loss,
+            "stopped": state.stopped, "skipped_nonfinite": state.skipped_nonfinite}

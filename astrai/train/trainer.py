@@ -15,10 +15,18 @@ optimizer, scheduler and RNG at step boundaries only; the data order is a functi
 (seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would (bitwise
 on CPU, tested). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
 written, and `fit` returns with `state.stopped` set. Hook order: astrai.train.callbacks.
+
+Non-finite training: before each optimizer step the step's loss (summed over ranks) and gradient
+norm are checked, on every rank alike. A non-finite one stops training with NonFiniteError naming
+the step, before the optimizer moves, so no weight ever becomes NaN; `skip_nonfinite_steps: N`
+instead skips up to N such steps over the run (gradients dropped, optimizer and scheduler not
+stepped, the batch consumed; counted in metrics.jsonl as `skipped_nonfinite`), and stops at the
+next one. Every checkpoint and the final model are checked finite before they are written.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 from dataclasses import asdict, dataclass, field
@@ -27,16 +35,24 @@ from typing import Callable, Optional
 
 import torch
 
+from astrai.errors import InputError
 from astrai.model.lora import cast, has_adapters
 from astrai.train import resume
 from astrai.train.batches import RankSampler
 from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
-from astrai.train.distributed import (Dist, all_sum, barrier, full_model_state, full_optimizer_state, gradient_sync,
-                                     is_sharded, reshard, wrap)
+from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_sync, is_sharded, named_optimizer_state,
+                                     reshard, wrap)
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.strategies import Env, Strategy
 
+class NonFiniteError(InputError):
+    """Training stopped at a non-finite loss or gradient norm; the message names the step."""
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+_SAVED = ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step", "skipped_nonfinite")
 
 
 @dataclass
@@ -46,7 +62,9 @@ class TrainState:
     step_in_epoch: int = 0        # the next drawn step of this epoch (the sampler's position)
     consumed_rows: int = 0        # rows seen over all ranks (with repeats of the padding)
     saved_step: int = 0
+    skipped_nonfinite: int = 0    # optimizer steps skipped for a non-finite loss or gradient norm
     stopped: Optional[str] = None  # the signal that stopped training early
+    completed: bool = field(default=False, repr=False)    # the loop ran to its end (no signal, no error)
     # per step, not saved:
     synced: bool = field(default=False, repr=False)       # this micro-batch ended an optimizer step
     at_boundary: bool = field(default=True, repr=False)   # a resumable point (drawn batch finished)
@@ -56,7 +74,7 @@ class TrainState:
 
     def saved(self) -> dict:
         return {k: v for k, v in asdict(self).items()
-                if k in ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step")}
+                if k in _SAVED}
 
 
 class Trainer:
@@ -106,28 +124,39 @@ class Trainer:
         return self.out / "checkpoints"
 
     def save_checkpoint(self):
-        """Rank 0 writes. Sharded, every rank must call this (the full state is gathered), and no
-        rank returns before the checkpoint is on disk."""
-        self.state.saved_step = self.state.global_step
-        model_sd, optim_sd = None, None
-        if self.sharded:
-            model_sd = full_model_state(self.raw_model, trainable_only=has_adapters(self.raw_model))
-            optim_sd = full_optimizer_state(self.raw_model, self.optimizer)
-        if self.dist.is_main:
-            resume.save(self.checkpoint_dir, self.state.global_step, self.raw_model, self.optimizer,
-                             self.scheduler, {**self.state.saved(), "options": self.opts.model_dump(mode="json")},
-                             self.write_tokenizer, model_sd, optim_sd)
-            resume.prune(self.checkpoint_dir, self.opts.keep_last)
-        if self.sharded:
-            barrier(self.dist)
+        """Every rank calls this (the full state is gathered when sharded, each rank writes its own
+        generators, weights are checked finite on all ranks); no rank returns before the checkpoint
+        is on disk."""
+        st = self.state
+        model_sd = full_model_state(self.raw_model, trainable_only=has_adapters(self.raw_model)) if self.sharded \
+            else None
+        optim_sd = named_optimizer_state(self.raw_model, self.optimizer) if self.sharded or self.dist.is_main else None
+        self.check_finite_weights(f"the checkpoint of step {st.global_step}")
+        st.saved_step = st.global_step
+        resume.save(self.checkpoint_dir, st.global_step, self.raw_model, optim_sd, self.scheduler,
+                    {**st.saved(), "options": self.opts.model_dump(mode="json")}, self.dist, self.write_tokenizer,
+                    model_sd, keep=self.opts.keep_last)
+
+    def check_finite_weights(self, what: str):
+        """Raise NonFiniteError (on every rank alike) when any weight is NaN or infinite."""
+        bad = 0.0
+        with torch.no_grad():
+            for p in self.raw_model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                    bad = 1.0
+                    break
+        if all_sum([bad], self.dist)[0] > 0:
+            raise NonFiniteError(f"step {self.state.global_step}: the weights hold NaN or infinite values; "
+                                 f"{what} was not written (the last checkpoint is step {self.state.saved_step})")
 
     def resume(self) -> Optional[Path]:
         path = resume.latest(self.checkpoint_dir)
         if path is None:
             return None
-        saved = resume.load(path, self.raw_model, self.optimizer, self.scheduler)
-        for k in ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step"):
-            setattr(self.state, k, saved[k])
+        saved = resume.load(path, self.raw_model, self.optimizer, self.scheduler, self.dist)
+        for k in _SAVED:
+            setattr(self.state, k, saved.get(k, 0))
         return path
 
     def _on_signal(self, signum, frame):
@@ -160,6 +189,7 @@ class Trainer:
                 if self.state.step_in_epoch >= self.sampler.steps_per_epoch:
                     self.state.epoch += 1
                     self.state.step_in_epoch = 0
+            self.state.completed = self.state.stopped is None
         except BaseException as e:
             self.fire("on_error", e)
             raise
@@ -209,22 +239,30 @@ class Trainer:
     def _optimizer_step(self, sums: dict, step_units: float, window_done: bool):
         st = self.state
         st.synced = True
-        self.fire("on_optimizer_step")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        st.global_step += 1
+        self.fire("on_optimizer_step")  # gradient clipping measures st.grad_norm
         keys = sorted(sums)
-        # one collective per step: the metric sums and whether any rank was asked to stop
+        # one collective per step: the metric sums and whether any rank was asked to stop; before the
+        # optimizer moves, so every rank sees the same loss and decides alike on a non-finite one
         values = all_sum([sums[k] for k in keys] + [float(self.stop_signal is not None)], self.dist)
         totals, stop = dict(zip(keys, values)), values[-1] > 0
-        m = {"loss": totals["loss"] / step_units, "tokens": int(totals["tokens"]), "units": int(step_units)}
+        loss = totals["loss"] / step_units
+        finite = math.isfinite(loss) and (st.grad_norm is None or math.isfinite(st.grad_norm))
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self._nonfinite(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        st.global_step += 1
+        m = {"loss": loss, "tokens": int(totals["tokens"]), "units": int(step_units)}
         if totals["forwards"]:
             m["aux_loss"] = totals["aux_loss"] / totals["forwards"]
             m["aux_loss_weighted"] = self.aux_coef * m["aux_loss"]
         for k in keys:
             if k not in ("loss", "aux_loss", "forwards", "tokens"):
                 m[k] = totals[k] / step_units
+        if not finite:
+            m.update(skipped=True, skipped_nonfinite=st.skipped_nonfinite)
         st.step_metrics = m
         if window_done:
             st.step_in_epoch += 1
@@ -232,6 +270,18 @@ class Trainer:
             if stop:
                 self.stop_signal = self.stop_signal or signal.SIGTERM
                 st.stopped = signal.Signals(self.stop_signal).name
+
+    def _nonfinite(self, loss: float):
+        """Count a skipped step, or stop: the optimizer has not moved, so the weights stay finite."""
+        st, allowed = self.state, self.opts.skip_nonfinite_steps
+        what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {st.grad_norm} (loss {loss:.4g})"
+        if st.skipped_nonfinite >= allowed:
+            skipped = f" after skipping {allowed} such step(s)" if allowed else ""
+            raise NonFiniteError(
+                f"step {st.global_step + 1}: non-finite {what}{skipped}; training stopped before the optimizer "
+                f"step, the weights were not changed (last checkpoint: step {st.saved_step}); lower lr (now "
+                f"{self.opts.lr:g}), check the data, or allow skips with skip_nonfinite_steps")
+        st.skipped_nonfinite += 1
 
     # ---- validation ---------------------------------------------------------------------------------
 

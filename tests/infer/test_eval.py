@@ -104,12 +104,12 @@ def test_eval_stage_in_a_recipe(data_and_checkpoint, tmp_path, tiny_tokenizer, c
         "input:\n  sections:\n    - {field: messages, action: $role, template: true}\n")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
-        "version: 1\npreprocess: {pipeline: pipe.yaml, inputs: [d.jsonl], output: data}\n"
-        f"eval: {{checkpoint: {ckpt}, output: out/eval.json, samples: 1, sample_max_tokens: 3,\n"
-        "       engine: {device: cpu}}\n")
+        "version: 1\nrun_dir: run\nstages:\n  preprocess: {pipeline: pipe.yaml, inputs: [d.jsonl]}\n"
+        f"  eval: {{model: {ckpt}, data: preprocess, split: train, samples: 1, sample_max_tokens: 3,\n"
+        "         engine: {device: cpu}}\n")
     assert main(["run", str(recipe)]) == 0
-    res = json.loads((tmp_path / "out" / "eval.json").read_text())
-    assert res["data"] == str(tmp_path / "data") and res["documents"] == 1 and len(res["samples"]) == 1
+    res = json.loads((tmp_path / "run" / "eval" / "output" / "eval.json").read_text())
+    assert res["documents"] == 1 and len(res["samples"]) == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text(recipe.read_text().replace("samples: 1", "sample: 1"))
     assert main(["validate", str(bad)]) == 1

@@ -147,3 +147,29 @@ def test_evict_parent_only_after_its_children():
         a.decref(p)
     tree.match([1])  # the root-side node is the most recently used, still it cannot go before its child
     assert tree.evict(1) == 1 and a.refcount[pages[2]] == 0 and a.refcount[pages[0]] == 1
+
+
+def test_reset_prefix_cache_forgets_every_prefix_and_old_kv_never_returns():
+    """After the weights change: nothing cached before matches, a request that was running keeps its pages
+    until it ends and then frees them instead of caching them, and the references stay exact."""
+    pool = PagePool(num_pages=16, page_size=4, max_reqs=4, max_context=64)
+    done = make_req(0, range(12))
+    pool.attach(done)
+    written(pool, done, 12)
+    pool.release(done)  # 3 pages in the tree, held by nobody else
+    running = make_req(1, range(8))
+    assert pool.attach(running) == 4  # holds a cached page (capped: one token left to compute)
+    written(pool, running, 8)
+    pool.check([running])
+    pool.reset_prefix_cache()
+    assert pool.radix.num_nodes == 0 and pool.alloc.evictable == 0
+    pool.check([running])
+    assert pool.alloc.num_free == 16 - len(running.pages)
+    pool.release(running)  # its K/V is of the old weights: freed, not cached
+    assert pool.radix.num_nodes == 0 and pool.alloc.num_free == 16
+    fresh = make_req(2, range(12))
+    assert pool.attach(fresh) == 0
+    written(pool, fresh, 12)
+    pool.release(fresh)  # a request of the new epoch caches as before
+    assert pool.radix.num_nodes == 3
+    pool.check([])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astrai.infer.request import Request, SamplingParams
-from astrai.infer.sampling import apply_repetition_penalty, make_generator, sample, warp
+from astrai.infer.sampling import apply_repetition_penalty, draw, make_generator, sample, warp
 
 
 def req(tokens=(1, 2), **kw):
@@ -78,6 +78,21 @@ def test_draw_follows_the_distribution():
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
     assert freq[3] == 0
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2 ** -24])  # the ends of what torch.rand returns
+def test_extreme_uniforms_never_pick_a_dropped_token(monkeypatch, u):
+    """Whatever the generator returns, a token of probability 0 (dropped by a warper, or -inf) is never drawn,
+    at either end of the vocabulary or between kept ones."""
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k).fill_(u))
+    probs = torch.tensor([[0.0, 0.0, 0.7, 0.0, 0.3, 0.0]] * 2)
+    reqs = [req(temperature=1.0), req(temperature=1.0, seed=1)]
+    assert draw(probs, reqs).tolist() == [[2, 2], [4, 4]][u > 0.5]
+    logits = torch.tensor([[float("-inf"), 2.0, float("-inf"), 1.0, float("-inf")]] * 3)
+    reqs = [req(temperature=1.0), req(temperature=0.8, seed=1), req(temperature=1.0, top_p=0.5)]
+    tokens, _ = sample(logits, reqs)
+    assert tokens == [[1, 1, 1], [3, 3, 1]][u > 0.5]  # top_p=0.5 keeps token 1 only
 
 
 def test_seed_gives_same_tokens_whatever_the_batch():

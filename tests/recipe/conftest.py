@@ -114,7 +114,8 @@ def make_kinds(calls: Calls) -> dict:
                   figures=("records",)),
         StageKind("tok", TokOptions, run_tok, "tokenizer", describe=describe_tok, figures=("vocab_size",)),
         StageKind("fit", FitOptions, run_fit, "model", refs={"data": ("data",)}, check=check_fit,
-                  describe=describe_fit, figures=("train_loss",)),
+                  describe=describe_fit, figures=("train_loss",), growable=("steps",),
+                  continues=lambda old, new: new.steps > old.get("steps", new.steps)),
         StageKind("score", ScoreOptions, run_score, "report", refs={"model": ("model",), "data": ("data",)},
                   check=check_score, figures=("perplexity",)),
     ]

@@ -6,7 +6,7 @@ import pytest
 
 from astrai.config import ConfigError
 from astrai.recipe.command import load_recipe_spec
-from astrai.recipe.preprocess_stage import data_dirs, is_held_out
+from astrai.recipe.preprocess_stage import data_dirs
 from astrai.recipe.runner import Runner
 
 RECIPE = """\
@@ -37,12 +37,6 @@ def run(path, overrides=(), **flags):
     return Runner(spec, kinds, log=lambda m: None).run(**flags)
 
 
-def test_held_out_positions_are_spread_evenly():
-    assert [i for i in range(40) if is_held_out(i, 0.1)] == [9, 19, 29, 39]
-    assert [i for i in range(6) if is_held_out(i, 0.5)] == [1, 3, 5]
-    assert not any(is_held_out(i, 0.0) for i in range(10))
-
-
 def test_tokenizer_then_preprocess_with_holdout(recipe):
     s = run(recipe)
     assert [x["status"] for x in s["stages"]] == ["ran", "ran"]
@@ -52,20 +46,19 @@ def test_tokenizer_then_preprocess_with_holdout(recipe):
     assert man["tokenizer"]["path"] == str(root / "tokenizer" / "output")  # the stage's own tokenizer
     assert man["counts"]["records_kept"] == 54 and json.loads((val / "manifest.json").read_text())["counts"][
         "records_kept"] == 6
-    held = [json.loads(line)["id"] for line in (root / "preprocess" / "output" / "split" / "val.jsonl").open()]
-    assert held == ["9", "19", "29", "39", "49", "59"]
+    assert not (root / "preprocess" / "output" / "split").exists()  # the inputs are read in place, not copied
     m = s["stages"][1]["metrics"]
     assert m["records_kept"] == 54 and m["val_records_kept"] == 6 and 0 < m["trained_tokens"] < m["tokens"]
 
     assert [x["status"] for x in run(recipe)["stages"]] == ["skipped", "skipped"]
-    assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2"])["stages"]] == ["skipped", "ran"]
+    assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2"])["stages"]] == ["skipped", "replaced"]
     assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2", "tokenizer.vocab_size=420"])["stages"]] \
-        == ["ran", "ran"]
+        == ["replaced", "replaced"]
     # an edit to the pipeline file is an input change: preprocess reruns, the tokenizer does not
     pipeline = recipe.parent / "sft.yaml"
     pipeline.write_text(pipeline.read_text().replace("max_seq_len: 256", "max_seq_len: 200"))
     assert [x["status"] for x in run(recipe, ["preprocess.holdout=0.2", "tokenizer.vocab_size=420"])["stages"]] \
-        == ["skipped", "ran"]
+        == ["skipped", "replaced"]
 
 
 def test_bad_pipeline_and_missing_tokenizer_are_refused_before_work(recipe):
@@ -82,3 +75,20 @@ def test_bad_pipeline_and_missing_tokenizer_are_refused_before_work(recipe):
     recipe.write_text(RECIPE.replace(", tokenizer: tokenizer", ""))
     with pytest.raises(ConfigError, match="names no tokenizer"):
         run(recipe)
+
+
+@pytest.mark.parametrize("bad_line,side", [(60, "val"), (13, "train")])
+def test_rejects_name_the_users_file_and_line(recipe, bad_line, side):
+    # the split reads the user's file in place: a bad record is reported at its own line, on the
+    # side its position falls (line 60 -> position 59: held out at 0.1), never in a copy
+    data = recipe.parent / "chat.jsonl"
+    lines = data.read_text().splitlines()
+    lines.insert(bad_line - 1, '{"messages": [{"role": "asistant", "content": "x"}]}')
+    data.write_text("\n".join(lines) + "\n")
+    (recipe.parent / "sft.yaml").write_text(
+        (recipe.parent / "sft.yaml").read_text().replace("mask_default: mask\n", "").replace(
+            "packing_strategy: bfd", "on_error: skip, packing_strategy: bfd"))
+    run(recipe)
+    out = recipe.parent / "run" / "preprocess" / "output" / side
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").open()]
+    assert (reject["file"], reject["line"], reject["reason"]) == (str(data), str(bad_line), "unknown_role")

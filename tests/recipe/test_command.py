@@ -32,7 +32,7 @@ def test_run_flags_validate_and_inspect(tmp_path, capsys, sft_pipeline):
     assert "preprocess  preprocess  ran" in out and (tmp_path / "runs" / "cli" / "summary.json").exists()
     assert main(["run", str(recipe), "--only", "preprocess", "--force"]) == 0
     out = capsys.readouterr().out
-    assert "tokenizer   tokenizer   not selected" in out and "preprocess  preprocess  ran" in out
+    assert "tokenizer   tokenizer   not selected" in out and "preprocess  preprocess  replaced" in out
     assert main(["run", str(recipe), "--set", "preprocess.holdout=0.5"]) == 0
     assert "tokenizer   tokenizer   skipped" in capsys.readouterr().out
     assert main(["inspect", str(recipe), "-n", "1"]) == 0  # now the tokenizer exists

@@ -70,10 +70,10 @@ def test_first_run_runs_all_second_skips_all(run, calls):
 
 def test_changed_option_reruns_that_stage_and_its_readers_only(run, calls):
     run()
-    s = run(overrides=["fit.lr=0.25"])
-    assert statuses(s) == {"tokenizer": "skipped", "data": "skipped", "fit": "ran", "score": "ran"}
+    s = run(overrides=["fit.lr=0.25"])  # a finished output is replaced (made aside, then swapped in)
+    assert statuses(s) == {"tokenizer": "skipped", "data": "skipped", "fit": "replaced", "score": "replaced"}
     s = run(overrides=["tokenizer.size=30"])
-    assert statuses(s) == dict(tokenizer="ran", data="ran", fit="ran", score="ran")
+    assert statuses(s) == dict(tokenizer="replaced", data="replaced", fit="replaced", score="replaced")
     assert run(overrides=["tokenizer.size=30"])["stages"][0]["status"] == "skipped"
 
 
@@ -81,7 +81,7 @@ def test_changed_input_file_reruns_from_the_stage_that_reads_it(run, calls, tmp_
     run()
     (tmp_path / "in.txt").write_text("a\nb\nc\nd\n")
     s = run()
-    assert statuses(s) == {"tokenizer": "skipped", "data": "ran", "fit": "ran", "score": "ran"}
+    assert statuses(s) == {"tokenizer": "skipped", "data": "replaced", "fit": "replaced", "score": "replaced"}
     assert s["stages"][1]["metrics"]["records"] == 4
 
 
@@ -90,9 +90,9 @@ def test_only_from_force(run, calls):
     assert statuses(run(only="fit")) == {"tokenizer": "not selected", "data": "not selected", "fit": "skipped",
                                          "score": "not selected"}
     s = run(only="fit", force=True)
-    assert statuses(s)["fit"] == "ran" and calls.names() == ["fit"]
+    assert statuses(s)["fit"] == "replaced" and calls.names() == ["fit"]
     # fit produced a new output: score, which reads it, is now stale; nothing before fit is
-    assert statuses(run()) == {"tokenizer": "skipped", "data": "skipped", "fit": "skipped", "score": "ran"}
+    assert statuses(run()) == {"tokenizer": "skipped", "data": "skipped", "fit": "skipped", "score": "replaced"}
     s = run(from_stage="data", force=True)
     assert calls.names() == ["data", "fit", "score"] and statuses(s)["tokenizer"] == "not selected"
     with pytest.raises(ConfigError, match="did you mean 'score'"):
@@ -162,17 +162,39 @@ def test_stale_output_is_cleared_but_foreign_output_is_refused(run, calls):
     assert (run.root / "data" / "output" / "keep.me").exists()
 
 
-def test_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
-    lock = RunDir(tmp_path).lock()
-    (tmp_path / ".lock").write_text(str(os.getppid()))
-    with pytest.raises(RuntimeError, match="in use by another"):
-        with lock:
-            pass
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / ".lock").write_text(dead.stdout.strip())
+def _hold(path, write_pid=True):
+    """Another process holding the run lock; with write_pid False it has not written its pid yet."""
+    code = ("import fcntl, os, sys, time\n"
+            f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+            + ("os.write(fd, str(os.getpid()).encode())\n" if write_pid else "")
+            + "print('held', flush=True)\ntime.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+@pytest.mark.parametrize("write_pid", [True, False])
+def test_lock_refuses_a_live_holder_even_before_it_wrote_its_pid(tmp_path, write_pid):
+    path = tmp_path / ".lock"
+    holder = _hold(path, write_pid)
+    try:
+        with pytest.raises(RuntimeError, match=rf"in use by another `astrai run` \(pid {holder.pid}\)"):
+            with RunDir(tmp_path).lock():
+                pass
+        assert path.read_text() == (str(holder.pid) if write_pid else "")  # never deleted nor rewritten
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone: its lock went with it, whatever the file says
+    with RunLock(path):
+        assert path.read_text() == str(os.getpid())
+    assert path.exists()  # the file stays: deleting it would race a run waiting on it
+
+
+def test_a_pid_file_without_a_lock_proves_nothing(tmp_path):
+    (tmp_path / ".lock").write_text(str(os.getppid()))  # a live process, but it holds no lock
     with RunLock(tmp_path / ".lock"):
         assert (tmp_path / ".lock").read_text() == str(os.getpid())
-    assert not (tmp_path / ".lock").exists()
 
 
 def test_code_version_follows_the_source(tmp_path, monkeypatch):

@@ -90,7 +90,8 @@ def test_chain_skip_and_set_reruns_only_train_and_eval(recipe):
     assert out.getvalue()
 
     assert [x["status"] for x in run(recipe)["stages"]] == ["skipped"] * 4
-    assert [x["status"] for x in run(recipe, ["train.lr=0.005"])["stages"]] == ["skipped", "skipped", "ran", "ran"]
+    assert [x["status"] for x in run(recipe, ["train.lr=0.005"])["stages"]] == ["skipped", "skipped", "replaced",
+                                                                                       "replaced"]
 
 
 def test_bad_recipes_refused_before_work(recipe):
@@ -138,3 +139,50 @@ def test_kill_during_train_then_rerun_resumes_to_the_same_loss(recipe, tmp_path)
     assert resumed["status"] == "resumed" and clean["status"] == "ran"
     assert resumed["metrics"]["train_loss"] == clean["metrics"]["train_loss"]
     assert resumed["metrics"]["steps"] == 12
+
+
+@pytest.mark.slow
+def test_more_steps_continue_the_finished_model_and_equal_a_straight_run(recipe, tmp_path):
+    const = ["train.scheduler=constant"]  # the same lr at every step whatever the run's length
+    run(recipe, const)
+    s = run(recipe, const + ["train.max_steps=6"])
+    assert [x["status"] for x in s["stages"]] == ["skipped", "skipped", "continued", "replaced"]
+    straight = tmp_path / "straight.yaml"
+    straight.write_text(recipe.read_text().replace("run_dir: run", "run_dir: straight"))
+    ref = run(straight, const + ["train.max_steps=6"])["stages"][2]["metrics"]
+    got = s["stages"][2]["metrics"]
+    assert got["steps"] == 6 and got["train_loss"] == ref["train_loss"] and got["val_loss"] == ref["val_loss"]
+    assert got["checkpoint"] == str(recipe.parent / "run" / "train" / "output" / "final")
+    curve = json.loads((recipe.parent / "run" / "train" / "metrics.json").read_text())["loss_curve"]
+    assert [p[0] for p in curve["train"]] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_retraining_keeps_the_last_model(recipe):
+    run(recipe)
+    root = recipe.parent / "run" / "train"
+    weights = (root / "output" / "final" / "model.safetensors").read_bytes()
+    recipe.write_text(recipe.read_text().replace("max_steps: 4", "max_steps: 400").replace("lr: 0.01", "lr: 0.02"))
+    proc = subprocess.Popen([sys.executable, "-m", "astrai.recipe.command", str(recipe)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    ckpts = root / "output.next" / "checkpoints"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (ckpts.exists() and list(ckpts.glob("step-*"))):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err[-2000:]
+    assert (root / "output" / "final" / "model.safetensors").read_bytes() == weights  # the last model is kept
+    state = json.loads((root / "stage.json").read_text())
+    assert state["status"] == "done" and state["pending"]["status"] == "interrupted"
+    assert "previous output" in err or "interrupted" in err
+
+
+@pytest.mark.slow
+def test_without_eval_every_the_table_reports_the_final_validation_loss(recipe):
+    s = run(recipe, ["train.eval_every=null", "train.max_steps=3"])
+    m = s["stages"][2]["metrics"]
+    curve = json.loads((recipe.parent / "run" / "train" / "metrics.json").read_text())["loss_curve"]["val"]
+    assert [p[0] for p in curve] == [0, 3]  # before the first step and once at the end
+    assert m["val_loss"] == curve[-1][1] and m["val_loss_drop"] == pytest.approx(curve[0][1] - curve[-1][1])
+    assert m["val_loss_drop"] != 0

@@ -115,12 +115,13 @@ def test_recipe_runs_preprocess_then_train(tmp_path, tiny_tokenizer):
                              {"role": "assistant", "content": "fine thanks " * (1 + i % 3)}]} for i in range(12)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "r.yaml").write_text(
-        f"version: 1\npreprocess: {{pipeline: {ROOT / 'pipelines' / 'chatml_sft.yaml'}, inputs: [chat.jsonl], "
-        f"output: data, tokenizer: {tiny_tokenizer}}}\n"
-        "train: {output: run, model: tiny, batch_size: 1, epochs: 4, max_steps: 2, progress: false}\n")
+        f"version: 1\nrun_dir: run\nstages:\n  preprocess: {{pipeline: {ROOT / 'pipelines' / 'chatml_sft.yaml'}, "
+        f"inputs: [chat.jsonl], tokenizer: {tiny_tokenizer}}}\n"
+        "  train: {data: preprocess, model: tiny, batch_size: 1, epochs: 4, max_steps: 2, progress: false}\n")
     assert main(["run", str(tmp_path / "r.yaml")]) == 0
-    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    out = tmp_path / "run" / "train" / "output"
+    assert (out / "final" / "model.safetensors").exists()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 @pytest.mark.slow

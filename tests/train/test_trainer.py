@@ -146,8 +146,10 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
     (root / ".step-00000009.tmp-1234" / "model.safetensors").write_bytes(b"partial")
     (root / "step-00000010").mkdir()
     assert resume.latest(root) == good
-    for f in ("config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json"):
+    for f in ("config.json", "model.safetensors", "optimizer.safetensors", "optimizer.json", "scheduler.json",
+              "rng-rank0.safetensors", "rng-rank0.json", "trainer_state.json"):
         assert (good / f).exists(), f
+    assert not list(good.glob("*.pt"))
 
 
 def test_moe_aux_loss_logged_apart_and_weighted(tmp_path):

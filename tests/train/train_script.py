@@ -2,9 +2,11 @@
 
     python train_script.py OUT [--kill-at STEP] [--sleep S] [--batch B] [--accum A] [--epochs N]
                                [--parallel ddp|fsdp] [--tied] [--moe] [--lora] [--val ROWS] [--opt KEY=JSON ...]
+                               [--nan-at STEP,...] [--rng-log]
 """
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -69,6 +71,8 @@ class KillAt(Callback):
 
     def on_batch_end(self, trainer):
         if trainer.state.at_boundary and trainer.state.global_step == self.step:
+            if trainer.dist.active:  # every rank has logged this step before any of them dies
+                torch.distributed.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -78,6 +82,53 @@ class Sleep(Callback):
 
     def on_batch_end(self, trainer):
         time.sleep(self.s)
+
+
+class NaNLossAt(Callback):
+    """The loss of the given optimizer steps becomes NaN on rank 0 only (as a corrupt batch would make
+    it): every rank must still decide alike."""
+
+    def __init__(self, steps):
+        self.steps, self.now = set(steps), 0
+
+    def on_train_begin(self, trainer):
+        inner = trainer.strategy.loss
+
+        def loss(model, batch, env):
+            task, aux, metrics = inner(model, batch, env)
+            if self.now in self.steps and trainer.dist.rank == 0:
+                task = task * float("nan")
+            return task, aux, metrics
+        trainer.strategy.loss = loss
+
+    def on_batch_begin(self, trainer):
+        self.now = trainer.state.global_step + 1
+
+
+def rng_digest() -> str:
+    import random
+
+    import numpy as np
+    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    h.update(repr(random.getstate()).encode() + np.random.get_state()[1].tobytes())
+    return h.hexdigest()[:16]
+
+
+class RngLog(Callback):
+    """Ranks draw differently first (so their generators differ), then each prints its generator
+    digest at every step boundary and after a resume."""
+
+    def on_train_begin(self, trainer):
+        r, s = trainer.dist.rank, trainer.state.global_step
+        if s == 0:
+            torch.rand(r + 1)
+            import random
+            random.random() if r else None
+        print(f"RNG BEGIN rank {r} step {s} {rng_digest()}", flush=True)
+
+    def on_batch_end(self, trainer):
+        if trainer.state.at_boundary:
+            print(f"RNG rank {trainer.dist.rank} step {trainer.state.global_step} {rng_digest()}", flush=True)
 
 
 class UnsyncedGrads(Callback):
@@ -107,6 +158,8 @@ def main():
     p.add_argument("--lora", action="store_true", help="train LoRA adapters only (train_script.model)")
     p.add_argument("--val", type=int, help="validation rows (validated every 3 steps)")
     p.add_argument("--opt", action="append", default=[], help="any other train option, e.g. compile=true")
+    p.add_argument("--nan-at", help="comma-separated steps whose loss is NaN on rank 0")
+    p.add_argument("--rng-log", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist = setup("cpu")
@@ -115,6 +168,10 @@ def main():
         cbs.append(KillAt(args.kill_at))
     if args.sleep:
         cbs.append(Sleep(args.sleep))
+    if args.nan_at:
+        cbs.append(NaNLossAt(int(x) for x in args.nan_at.split(",")))
+    if args.rng_log:
+        cbs.insert(0, RngLog())  # before KillAt: the digest at the step killed is printed
     if args.parallel == "fsdp":
         cbs.append(UnsyncedGrads())
     val = dict(val_data="unused", eval_every=3) if args.val else {}

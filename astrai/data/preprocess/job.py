@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from astrai.config.pipeline import Pipeline
+from astrai.data.holdout import Holdout
 from astrai.data.process import Processor
 
 WORK = ".work"  # per-run scratch folder inside the output: markers, rejects, intermediates
@@ -22,6 +24,7 @@ class Job:
     tokenizer: str  # resolved tokenizer directory
     base_dir: str  # where relative pipeline paths (a .jinja template) are resolved
     out: str
+    holdout: Optional[Holdout] = None  # one side of a held-out split: the other side's records are skipped
 
     @property
     def global_pack(self) -> bool:

@@ -10,6 +10,7 @@ A shard is done when its final name exists, so a rerun writes only the missing o
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,8 +22,8 @@ from astrai.data.packing import plan_bins
 from astrai.data.preprocess.job import Job, Worker
 from astrai.data.preprocess.shards import Intermediate
 from astrai.data.read import Partition
-from astrai.data.write import ShardWriter, rows_columns
-from astrai.runtime import run_tasks
+from astrai.data.write import ShardWriter, rows_columns, trained_count
+from astrai.runtime import atomic_write_text, read_marker, run_tasks
 from astrai.schema import INPUT_IDS, LABELS
 
 
@@ -69,10 +70,18 @@ def pack_globally(job: Job, parts: list[Partition], workers: int, worker: Worker
     run(write_packed_shard, tasks, workers=workers, setup=partial(Worker.build, job), context=worker,
         what="shards", log=log)
     n_bins = plan.n_bins
+    n_shards = len(shard_ranges(bin_tokens, job.pipeline.output.max_tokens_per_shard))
+    trained = sum(read_marker(shard_marker(job, f"packed-{k:05d}"))["trained"] for k in range(n_shards))
     return {"bins": n_bins, "pack_truncated_tokens": int(plan.truncated_tokens),
             "pack_truncated_docs": int(plan.truncated_docs),
             "packing_efficiency": (int(bin_tokens.sum()) / (n_bins * capacity)) if n_bins else None,
-            "rows": n_bins}
+            "rows": n_bins, "trained_written": trained}
+
+
+def shard_marker(job: Job, name: str) -> Path:
+    """A packed shard's counts, written before the shard gets its final name (so a shard that exists
+    has them, also when a rerun skips it)."""
+    return job.work / f"{name}.json"
 
 
 def shard_ranges(bin_tokens: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
@@ -105,6 +114,7 @@ def write_packed_shard(worker: Worker, task: ShardTask):
 
     has_labels = len(task.piece_part) > 0 and part(int(task.piece_part[0])).has_labels
     n_bins = len(task.bin_offsets) - 1
+    trained = 0
     w = ShardWriter(Path(task.path), o.row_group_rows)
     try:
         for b0 in range(0, n_bins, o.row_group_rows):
@@ -120,8 +130,11 @@ def write_packed_shard(worker: Worker, task: ShardTask):
             cols = rows_columns(ids_out, lab_out if has_labels else None, task.piece_len[p0:p1],
                                 task.bin_offsets[b0:b1 + 1] - p0, o.position_ids_mode, packed=True)
             del ids_out, lab_out
-            w.write(pa.table(cols))
-            del cols
+            table = pa.table(cols)
+            trained += trained_count(table)
+            w.write(table)
+            del cols, table
+        atomic_write_text(shard_marker(job, task.name), json.dumps({"trained": trained}))
         w.close()
     except BaseException:
         w.abort()

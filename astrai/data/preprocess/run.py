@@ -22,6 +22,7 @@ from typing import Callable, Optional
 from astrai import __version__
 from astrai.config.pipeline import Pipeline
 from astrai.errors import InputError
+from astrai.data.holdout import Holdout
 from astrai.data.preprocess.job import WORK, Job, Worker
 from astrai.data.preflight import check_reject_share, check_template_markers
 from astrai.data.preprocess.pack import pack_globally
@@ -29,9 +30,10 @@ from astrai.data.preprocess.summary import summary_lines
 from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition
 from astrai.data.process import Processor
 from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_partitions
+from astrai.data.shard_check import shard_record, verify_cheap
 from astrai.data.stats import dataset_stats
 from astrai.text.template import resolve_template
-from astrai.text.tokenizer import load_tokenizer
+from astrai.text.tokenizer import content_digest, load_tokenizer
 from astrai.runtime import (OUTPUT_MARKER, OutputBusy, Progress, atomic_write_text, claim_output, file_identity,
                             is_done, is_ours, marker_info, output_lock, read_marker, remove_stale_tmp, run_tasks)
 
@@ -41,11 +43,12 @@ FORMAT_VERSION = 1
 def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str] = None,
                    workers: Optional[int] = None, base_dir: Optional[str] = None,
                    log: Callable[[str], None] = print, executor: str = "local",
-                   ray_address: Optional[str] = None) -> dict:
+                   ray_address: Optional[str] = None, holdout: Optional[Holdout] = None) -> dict:
     """executor "local": a process pool of `workers`; "ray": the same tasks on the Ray cluster at
     `ray_address` (astrai.runtime_ray), byte-identical output. The options are declared once, by a
     recipe's preprocess stage (astrai.recipe.preprocess_stage); `astrai preprocess` reads its flags there.
-    The output directory is locked for the whole run (astrai.runtime.output_lock): one writer at a time."""
+    The output directory is locked for the whole run (astrai.runtime.output_lock): one writer at a time.
+    `holdout`: process one side of a held-out split only (astrai.data.holdout), reading the inputs in place."""
     if executor == "ray":
         from astrai.runtime_ray import import_ray
 
@@ -62,14 +65,14 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
     except OSError as e:
         raise InputError(f"output {out}: {e.strerror or e}; choose another -o") from None
     try:  # the lock goes with this process on any exit
-        return _run_locked(pipeline, inputs, out, tokenizer, workers, base_dir, log, executor, ray_address)
+        return _run_locked(pipeline, inputs, out, tokenizer, workers, base_dir, log, executor, ray_address, holdout)
     finally:
         lock.__exit__(None, None, None)
 
 
 def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Optional[str], workers: Optional[int],
                 base_dir: Optional[str], log: Callable[[str], None], executor: str,
-                ray_address: Optional[str]) -> dict:
+                ray_address: Optional[str], holdout: Optional[Holdout]) -> dict:
     base_dir = str(base_dir or os.getcwd())
     tok_spec = tokenizer or pipeline.tokenizer
     if not tok_spec:
@@ -90,13 +93,14 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     identity = file_identity(files)  # before the digests: a change after it is seen at the end
     digests: dict = {}  # JSONL hashes taken while planning partitions: one read of each input
     parts = plan_partitions(files, pipeline.preprocessing.partition_bytes, digests)
-    fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests)
+    holdout = holdout.with_offsets(parts) if holdout is not None else None
+    fp = fingerprint(pipeline, tok.fingerprint, template.source if template else "", files, digests, holdout)
     manifest = outp / "manifest.json"
-    if is_ours(outp) and manifest.exists() and json.loads(manifest.read_text()).get("fingerprint") == fp:
+    if is_ours(outp) and manifest.exists() and _current(outp, manifest, fp, log):
         shutil.rmtree(outp / WORK, ignore_errors=True)  # left if a run died right after its manifest
         log(f"{out}: up to date (fingerprint {fp[:12]}), nothing to do")
         return json.loads((outp / "stats.json").read_text())
-    job = Job(pipeline, str(tok.path), base_dir, str(outp))
+    job = Job(pipeline, str(tok.path), base_dir, str(outp), holdout)
     workers = max(1, workers or os.cpu_count() or 1)
     # built once here (no encoding yet) from the tokenizer and template already loaded; forked
     # workers inherit it, spawned ones (and Ray workers) build their own from the job
@@ -136,10 +140,13 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
         "format_version": FORMAT_VERSION,
         "fingerprint": fp,
         "pipeline": json.loads(pipeline.model_dump_json()),
-        "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint},
+        "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint,
+                      "content": content_digest(worker.processor.tok)},
         "chat_template": template.name if template else None,
         "inputs": [str(f) for f in files],
+        **({"holdout": holdout.describe()} if holdout is not None else {}),
         "shards": shards,
+        "shard_checks": {sh: shard_record(outp / sh) for sh in shards},  # verified by every reader
         "columns": _columns(outp, shards),
         "counts": {k: stats[k] for k in ("records_read", "records_kept", "records_filtered", "records_rejected",
                                          "rows", "tokens")},
@@ -151,14 +158,32 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     return stats
 
 
+def _current(outp: Path, manifest: Path, fp: str, log: Callable[[str], None]) -> bool:
+    """The output of fingerprint `fp` is on disk as its manifest recorded it (shard sizes and row
+    counts: astrai.data.shard_check); shards changed by hand are made again."""
+    try:
+        man = json.loads(manifest.read_text())
+    except ValueError:
+        return False
+    if man.get("fingerprint") != fp:
+        return False
+    if not verify_cheap(outp, man):
+        log(f"{outp}: its shards differ from what its manifest recorded (changed by hand?): making them again")
+        (outp / WORK / "fingerprint").unlink(missing_ok=True)  # nothing of the old run is resumed
+        return False
+    return True
+
+
 def fingerprint(pipeline: Pipeline, tok_fp: str, template_src: str, files: list[Path],
-                digests: Optional[dict] = None) -> str:
+                digests: Optional[dict] = None, holdout: Optional[Holdout] = None) -> str:
     h = hashlib.sha256()
     # partition_bytes changes partitions, hence shard names: it is part of the pipeline dump
     # the astrai version is in: a release that changes how records are tokenized must not reuse old output
-    h.update(json.dumps({"format": FORMAT_VERSION, "astrai": __version__,
-                         "pipeline": json.loads(pipeline.model_dump_json()),
-                         "tokenizer": tok_fp, "template": template_src}, sort_keys=True).encode())
+    what = {"format": FORMAT_VERSION, "astrai": __version__, "pipeline": json.loads(pipeline.model_dump_json()),
+            "tokenizer": tok_fp, "template": template_src}
+    if holdout is not None:
+        what["holdout"] = holdout.describe()
+    h.update(json.dumps(what, sort_keys=True).encode())
     for f in files:
         h.update(f.name.encode() + b"\0")
         if f.is_dir():

@@ -28,7 +28,8 @@ from astrai.data.packing import plan_bins
 from astrai.data.preprocess.job import Job
 from astrai.data.process import Processor, RecordOutput, TokenSeq
 from astrai.data.read import Partition
-from astrai.data.write import ShardWriter, concat, list_array, nested_list_array, rows_columns, value_array
+from astrai.data.write import (ShardWriter, concat, list_array, nested_list_array, rows_columns, trained_count,
+                               value_array)
 from astrai.runtime import atomic_write_bytes, tmp_name
 from astrai.schema import INPUT_IDS, LABELS, source_column
 
@@ -94,6 +95,7 @@ class ShardSink:
         else:
             table = bins_table(self.rows, self.job, self.proc)
             tokens = sum(len(s) for bin_, _ in self.rows for s in bin_)
+            self.c["trained_written"] += trained_count(table)
         self.c["rows"] += len(self.rows)
         self.rows = []
         if self.writer is None:

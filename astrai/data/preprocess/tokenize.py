@@ -38,7 +38,8 @@ def tokenize_partition(worker: Worker, task: PartitionTask):
     rejects = []
     sink = IntermediateSink(job, part) if job.global_pack else ShardSink(job, part, proc)
     try:
-        for batch in read_partition(part, pp.batch_size):
+        keep = job.holdout.keep(part.file) if job.holdout is not None else None
+        for batch in read_partition(part, pp.batch_size, keep):
             if limit is not None:
                 batch = batch[: max(limit - tally.c["read"], 0)]
                 if not batch:

@@ -69,6 +69,15 @@ def _page_slots(meta: AttentionMeta) -> torch.Tensor:
     return (pages.long()[:, :, None] * meta.page_size + offsets).reshape(meta.batch_size, -1)
 
 
+def padded_kv_slots(meta: AttentionMeta, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, max_kv_len] slot of each request's K/V positions, [B, max_kv_len] valid) for attention
+    over every request's K/V padded to the longest (a padded position points at slot 0, not valid)."""
+    slots = _page_slots(meta) if slots is None else slots
+    max_kv = max(meta.host["kv_lens"]) if meta.batch_size else 0
+    valid = torch.arange(max_kv, device=slots.device)[None, :] < meta.kv_lens[:, None].long()
+    return slots[:, :max_kv], valid
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
 
@@ -125,9 +134,9 @@ class TorchBackend(AttentionBackend):
             add.masked_fill_(pad, float("-inf"))
             plan = ("cascade", slots[0, :shared], own_slots, add[:, None, None, :])
         else:
-            max_kv = max(kv_lens)
-            mask = torch.arange(max_kv, device=slots.device)[None, :] < meta.kv_lens[:, None].long()
-            plan = ("padded", slots[:, :max_kv], mask[:, None, None, :])
+            slots, valid = padded_kv_slots(meta, slots)
+            # a single request needs no mask: SDPA without one is faster (and exact)
+            plan = ("padded", slots, None if meta.batch_size == 1 else valid[:, None, None, :])
         meta.scratch["torch_decode"] = plan
         return plan
 

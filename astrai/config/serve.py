@@ -1,0 +1,63 @@
+"""Options of `astrai serve` (the OpenAI-compatible HTTP server) and `astrai chat` (the terminal chat).
+
+Both run the generation engine, so both take its options (EngineOptions, the same flags as
+`astrai generate`); sampling is per request for the server (each HTTP request says it) and a
+command-line default for the chat. Declared in the config layer like every option model: the CLI
+flags are read off these models (astrai.infer.flags).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from astrai.config.infer import EngineOptions, SamplingParams
+
+CHAT_MAX_TOKENS = 512
+
+
+CHECKPOINT = ("checkpoint directory (config.json, safetensors, tokenizer files), or a LoRA adapter directory "
+              "(adapter_config.json: its base is merged in)")
+BASE = "the base checkpoint of an adapter directory CHECKPOINT (default: its adapter_config.json's base_model_name_or_path)"
+
+
+class ServeOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(description=CHECKPOINT)
+    base: Optional[str] = Field(None, description=BASE)
+    host: str = Field("127.0.0.1", description="address to listen on; 0.0.0.0 makes the server reachable from "
+                      "the network (give --api-key then)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 takes a free one (printed at start)")
+    api_key: Optional[str] = Field(None, description="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                                   "$ASTRAI_API_KEY when set, else no key)")
+    served_model_name: Optional[str] = Field(None, description="the model id clients send and /v1/models lists; "
+                                             "default: the checkpoint path as given")
+    max_queue: int = Field(256, ge=0, description="most requests waiting for a running slot (beyond --max-running); "
+                           "more are refused with 429")
+    stall_timeout: float = Field(30.0, gt=0, description="seconds a stream may stay blocked on a client that stopped "
+                                 "reading before its request is cancelled and the connection closed")
+    shutdown_timeout: float = Field(10.0, ge=0, description="on Ctrl-C or SIGTERM: seconds running requests get to "
+                                    "finish before they are cancelled")
+    threads: Optional[int] = Field(None, ge=1, description="torch threads for the engine's CPU work; default: the "
+                                   "cores less one (left to the HTTP side), at least 1")
+    engine: EngineOptions = Field(default_factory=EngineOptions)
+
+
+class ChatOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(description=CHECKPOINT)
+    base: Optional[str] = Field(None, description=BASE)
+    system: Optional[str] = Field(None, description="system message that opens the conversation")
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=CHAT_MAX_TOKENS))
+    engine: EngineOptions = Field(default_factory=EngineOptions)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_max_tokens(cls, data):
+        # an answer in a chat is longer than the library's default length (16, vLLM's)
+        if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
+            data["sampling"].setdefault("max_tokens", CHAT_MAX_TOKENS)
+        return data

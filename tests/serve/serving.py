@@ -1,0 +1,92 @@
+"""Helpers of the server tests: `astrai serve` started as a user starts it (a subprocess on a free loopback
+port given by --port 0, read back from its ready line) and stopped with SIGTERM, which must exit 0."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+READY = re.compile(r"on (http://[^ ]+)/v1 ")
+
+
+class ServerProcess:
+    def __init__(self, checkpoint, *args, env=None):
+        cmd = [sys.executable, "-m", "astrai.cli", "serve", str(checkpoint), "--port", "0", "--device", "cpu", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.stderr: list[str] = []
+        self.url = None
+        ready = threading.Event()
+
+        def read_stdout():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                m = READY.search(line)
+                if m and self.url is None:
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        if not ready.wait(180) or self.url is None:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {''.join(self.lines)} {''.join(self.stderr)[-3000:]}")
+
+    @property
+    def base(self) -> str:
+        return self.url + "/v1"
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def text(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.read().decode()
+
+    def post(self, path: str, body, headers=None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"content-type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def idle_health(self, timeout: float = 10.0) -> dict:
+        """/health once no request is in flight (a cancellation reaches the engine within a step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.get("/health")
+            if (h["running"], h["waiting"]) == (0, 0) or time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def assert_error(status, body, want_status, param, words):
+    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    assert status == want_status, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["param"] == param, err
+    assert words in err["message"], err
