@@ -59,12 +59,17 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         pickled = [p.name for p in path.glob("*.bin")]
         return (f"{path} has no model.safetensors" + (f" (only {', '.join(pickled)}: pickle files are never loaded;"
                                                       f" convert them to safetensors)" if pickled else ""))
-    try:
-        from astrai.model.config import ModelConfig
+    from astrai.model.config import ModelConfig
 
-        ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    except (ValueError, TypeError) as e:
-        return f"{path / 'config.json'}: {e}"
+    source = str(path / "config.json")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{source}: not readable JSON: {e}"
+    try:
+        ModelConfig.from_hf(config, source)
+    except (ValueError, TypeError) as e:  # a model-file error names the file and key itself
+        return str(e) if source in str(e) else f"{source}: {e}"
     if not (path / "tokenizer.json").exists():
         return f"{path} has no tokenizer.json (fine-tuning uses the checkpoint's own tokenizer)"
     return None

@@ -24,7 +24,9 @@ import torch
 from astrai.errors import InputError
 from astrai.model import CausalLM, ModelConfig
 from astrai.model.adapter_files import is_adapter, load_checkpoint
+from astrai.model.checkpoint_files import read_json
 from astrai.model.config import PRESETS
+from astrai.model.weights import check_fits_memory
 from astrai.train.adapters import add_adapters, base_problem, reference, write_final
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import all_sum, finish, full_model_state, setup, teardown
@@ -52,12 +54,12 @@ def build_model(spec: str, data: TrainData, seed: int, dtype: torch.dtype = torc
         return CausalLM(ModelConfig.preset(spec, vocab_size=vocab, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                                            pad_token_id=None))
     path = Path(spec)
-    if is_checkpoint(spec):  # an adapter directory: merged into its base, which then trains
-        return load_checkpoint(path, dtype=dtype)
-    if path.is_file() and path.suffix == ".json":
-        import json
-
-        return CausalLM(ModelConfig.from_hf(json.loads(path.read_text())))
+    if path.is_dir():  # a checkpoint, or an adapter directory (merged into its base, which then trains);
+        return load_checkpoint(path, dtype=dtype)  # what cannot be read (pickles, bad files) is refused by name
+    if path.suffix == ".json" and path.exists():
+        config = ModelConfig.from_hf(read_json(path, "config.json"), str(path))
+        check_fits_memory(config, dtype, str(path))  # before allocating fresh weights
+        return CausalLM(config)
     raise TrainConfigError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}), a config.json, "
                            f"or a checkpoint directory with model.safetensors")
 

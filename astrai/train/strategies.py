@@ -52,6 +52,11 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
+def softcap(model):
+    """The model's final logit soft-capping (Gemma), applied by the loss that runs the LM head."""
+    return unwrap(model).config.final_logit_softcapping
+
+
 def forward(model, batch: dict, env: Env):
     ctx = packed_context(batch["cu_seqlens"], env.device, env.dtype, env.attention)
     return model(batch["input_ids"], batch["position_ids"], ctx, return_aux=True)
@@ -91,7 +96,7 @@ class LMStrategy(Strategy):
     def loss(self, model, batch, env):
         hidden, aux = forward(model, batch, env)
         s = cross_entropy_sum(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss, env.loss_chunk,
-                              self.smoothing)
+                              self.smoothing, softcap(model))
         return s, aux, {}
 
 
@@ -110,7 +115,8 @@ class DPOStrategy(Strategy):
 
     def _seq_logps(self, model, batch, env):
         hidden, aux = forward(model, batch, env)
-        lp = token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss, env.loss_chunk)
+        lp = token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss, env.loss_chunk,
+                            softcap(model))
         return doc_sums(lp, batch["cu_seqlens"]), aux
 
     @torch.no_grad()
@@ -148,7 +154,7 @@ class GRPOStrategy(Strategy):
     def _token_logps(self, model, batch, env):
         hidden, aux = forward(model, batch, env)
         return token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss,
-                              env.loss_chunk), aux
+                              env.loss_chunk, softcap(model)), aux
 
     @torch.no_grad()
     def prepare(self, model, batches, indices, env):
