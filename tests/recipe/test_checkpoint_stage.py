@@ -92,8 +92,9 @@ def test_what_does_not_fit_is_refused_before_any_work(recipe, tmp_path):
         run(recipe)
     (tmp_path / "ckpt" / "pytorch_model.bin").rename(tmp_path / "ckpt" / "model.safetensors")
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
-    with pytest.raises(ConfigError, match=r"stages\.base\.path: .*hidden_act='gelu'"):
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(ConfigError, match=r"stages\.base\.path: .*config\.json: architecture 'BertForMaskedLM' is not "
+                                          r"one astrai models"):
         run(recipe)
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "tok").mkdir()
