@@ -34,7 +34,7 @@ def load_train_config(path, overrides=()) -> TrainOptions:
                 or Path(value).is_absolute():  # a bare model name is a size preset
             continue
         fixed[key] = str(base / value)
-    return opts.model_copy(update=fixed)
+    return opts.model_copy(update=fixed).with_reward_files_under(base)
 
 
 # finished units of work are kept (completion markers, checkpoints); what was half-written is redone
@@ -66,7 +66,12 @@ def run(args) -> int:
         raise InputError(f"{args.config}: output {opts.output} is a file, not a directory; give a directory "
                          f"(checkpoints/ and final/ are written there)")
     try:
-        result = run_train(opts)
+        if opts.rollout is not None:
+            from astrai.rl.online import run_online_grpo
+
+            result = run_online_grpo(opts)
+        else:
+            result = run_train(opts)
     except TrainConfigError as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 1

@@ -148,6 +148,12 @@ class ShardDataset:
         r = i - int(self.offsets[s])
         return {c: t.column(c)[r] for c in self.columns}
 
+    def values(self, i: int) -> dict:
+        """Row i's value columns (an answer, a reward: what a pipeline's value sections wrote), as Python
+        values; the token columns are left out."""
+        row = self._row(i)
+        return {k: v.as_py() for k, v in row.items() if k not in (INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS)}
+
     def __getitem__(self, i: int) -> dict:
         import torch
 

@@ -211,6 +211,10 @@ class Trainer:
         return self.state
 
     def _batches(self, window: list[list[int]]) -> list[dict]:
+        draw = getattr(self.strategy, "draw", None)
+        if draw is not None:  # a strategy that makes its batches from the rows (online GRPO samples them)
+            out = draw(self.raw_model, window, self.state.global_step)
+            return [{k: v.to(self.dist.device) if torch.is_tensor(v) else v for k, v in b.items()} for b in out]
         out = []
         for idx in window:
             b = self.strategy.collate([self.dataset[i] for i in idx])
@@ -272,6 +276,7 @@ class Trainer:
         for k in keys:
             if k not in ("loss", "aux_loss", "forwards", "tokens"):
                 m[k] = totals[k] / step_units
+        m.update(getattr(self.strategy, "step_metrics", None) or {})  # what the strategy measured drawing the step
         if not finite:
             m.update(skipped=True, skipped_nonfinite=st.skipped_nonfinite)
         st.step_metrics = m

@@ -63,6 +63,31 @@ def test_training_forward_on_packed_rows_equals_each_document_alone(family):
         torch.testing.assert_close(got[start:start + len(d)], ref, atol=1e-4, rtol=0)
 
 
+def test_eval_perplexity_equals_transformers_loss_on_each_document_alone(family):
+    """`astrai eval`'s perplexity on packed rows (windows, Gemma's scale and soft-capping included): the
+    mean loss over trained labels equals transformers' over the same labels with each document alone."""
+    from astrai.infer.perplexity import perplexity
+    from astrai.schema import IGNORE_INDEX
+
+    name, hf, path = family
+    docs = [[_doc(21, 17), _doc(22, 26)], [_doc(23, 9), _doc(24, 4), _doc(25, 20)]]  # two packed rows
+    rows, nll, count = [], 0.0, 0
+    for row in docs:
+        labels = [[IGNORE_INDEX] * (len(d) // 3) + d[len(d) // 3:] for d in row]  # a masked prompt, then trained
+        rows.append({"input_ids": torch.tensor([t for d in row for t in d]),
+                     "position_ids": torch.cat([torch.arange(len(d)) for d in row]),
+                     "labels": torch.tensor([t for lab in labels for t in lab]),
+                     "seq_lens": torch.tensor([len(d) for d in row])})
+        for d, lab in zip(row, labels):
+            lp = hf_logits(hf, d)[:-1].double().log_softmax(-1)
+            trained = [(i, t) for i, t in enumerate(lab[1:]) if t != IGNORE_INDEX]
+            nll -= sum(lp[i, t].item() for i, t in trained)
+            count += len(trained)
+    got = perplexity(load_model(path).eval(), rows, batch_tokens=40)  # two batches: one row each
+    assert got["documents"] == 5 and got["rows"] == 2 and got["trained_tokens"] == count
+    assert got["loss"] == pytest.approx(nll / count, abs=1e-5)
+
+
 def _recording(engine):
     """Wrap the runner: every sampled row's logits with the tokens they were computed from."""
     seen = []
@@ -174,3 +199,29 @@ def test_sft_from_a_family_checkpoint_stays_that_family(name, sft_data, tmp_path
         got = ours.logits(ours(torch.tensor(ids), torch.arange(24), CausalContext()))
     torch.testing.assert_close(got, hf_logits(back, ids), atol=1e-4, rtol=0)
     assert not torch.allclose(hf_logits(back, ids), hf_logits(hf, ids), atol=1e-3)  # it did train
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_astrai_generate_cli_token_ids_equal_transformers(name, tiny_tokenizer, tmp_path):
+    """The user's path: a transformers-written checkpoint with a tokenizer, `astrai generate --prompt
+    --temperature 0 --output FILE`: the token ids written equal transformers' greedy `generate`."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from astrai.cli import main
+
+    hf = hf_model(name, seed=30, vocab_size=400)
+    hf.save_pretrained(tmp_path / "ckpt")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer / f, tmp_path / "ckpt" / f)
+    prompt = "the quick brown fox jumps over the lazy dog, then how are you today number one two three"
+    ids = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json")).encode(prompt).ids
+    assert len(ids) > 2 * WINDOW
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                      use_cache=True)[0, len(ids):].tolist()
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", prompt, "--temperature", "0", "--max-tokens",
+                 str(NEW), "--ignore-eos", "--output", str(out), "--device", "cpu", "--page-size", "4"]) == 0
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["prompt_tokens"] == len(ids) and rec["token_ids"] == ref
