@@ -19,11 +19,13 @@ followed; the engine generates from the prompt (greedy by default).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 from pathlib import Path
 
 from astrai.config.infer import EvalOptions
+from astrai.errors import InputError
 
 
 def tokenizer_problem(manifest: dict, tokenizer, checkpoint, data) -> Optional[str]:
@@ -46,6 +48,19 @@ def tokenizer_problem(manifest: dict, tokenizer, checkpoint, data) -> Optional[s
     return None
 
 
+def _check_output(path: Path) -> None:
+    """eval.json's place can be written: not a directory, a folder that exists (or can be made) and is writable."""
+    if path.is_dir():
+        raise InputError(f"eval output {path}: is a directory; give a file name, e.g. {path / 'eval.json'}")
+    if path.exists() and not path.is_file():
+        raise InputError(f"eval output {path}: not a regular file (a device, FIFO or socket); give a file path")
+    parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise InputError(f"eval output {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"eval output {path}: {parent} is not writable; choose another --output")
+
+
 def run_eval(options: EvalOptions, out=None) -> dict:
     from astrai.data.load import ShardDataset
     from astrai.infer.engine import Engine
@@ -56,11 +71,14 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     out = out or sys.stdout
     if options.checkpoint is None or options.data is None:
         raise ValueError("eval needs a checkpoint and --data (a preprocessed held-out directory)")
+    # the data and the output are checked before the model is loaded (minutes on a big checkpoint)
     dataset = ShardDataset(options.data)
     kind = data_kind(dataset)
     if kind == "dpo" and options.ref_model is None:
         raise ValueError(f"{options.data} holds DPO pairs: their reward figures need the reference model (the "
                          f"checkpoint DPO started from): give --ref-model DIR (in a recipe: ref_model: STAGE)")
+    path = Path(options.output) if options.output else Path(options.checkpoint) / "eval.json"
+    _check_output(path)
     engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     problem = tokenizer_problem(dataset.manifest, engine.tokenizer, options.checkpoint, options.data)
     if problem:
@@ -81,7 +99,6 @@ def run_eval(options: EvalOptions, out=None) -> dict:
                           "completion_token_ids": c.token_ids, "finish_reason": c.finish_reason}
                          for (p, ref), c in zip(prompts, completions)]
     result["generation"] = engine.engine_stats()
-    path = Path(options.output) if options.output else Path(options.checkpoint) / "eval.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
