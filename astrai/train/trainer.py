@@ -8,7 +8,10 @@ so the accumulated, DDP-averaged gradient is exactly the gradient of the step's 
 mean: 4 micro-batches give the gradient of their concatenation (tested). Gradients are
 reduced only on the last micro-batch (DDP no_sync, FSDP2 set_requires_gradient_sync(False) on the
 others: astrai.train.distributed); the optimizer and the
-scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch.
+scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch. A strategy
+with a `draw(model, window, global_step)` method makes the step's micro-batches itself from the
+drawn row indices (online GRPO samples them: astrai.rl), and its `step_metrics` join the step's
+metrics line.
 
 Resume: the state (global step, epoch, next step in the epoch) is saved with the weights,
 optimizer, scheduler and RNG at step boundaries only; the data order is a function of
