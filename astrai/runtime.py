@@ -44,18 +44,21 @@ def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def atomic_write_bytes(path: Path, data: bytes):
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True):
+    """durable=False skips the fsync: for a file that only saves work (a cache its reader can
+    recompute), where a power loss may lose it but a killed process never does."""
     path = Path(path)
     tmp = tmp_name(path)
     with open(tmp, "wb") as fh:
         fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
-def atomic_write_text(path: Path, text: str):
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str, durable: bool = True):
+    atomic_write_bytes(path, text.encode("utf-8"), durable)
 
 
 def remove_stale_tmp(folder: Path):
@@ -150,7 +153,7 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
                 raise f.exception()
             on_done(futures[f])
     except BrokenProcessPool:
-        raise RuntimeError(f"a worker process died while processing {what} (killed from outside, e.g. out of "
+        raise StageFailed(f"a worker process died while processing {what} (killed from outside, e.g. out of "
                            f"memory); finished {what} are kept: rerun to resume") from None
     except BaseException:
         # stop at the first error: the other workers' unfinished work is redone on a rerun (their
@@ -221,6 +224,11 @@ def inside_output(path: Path, exclude: Path | None = None) -> bool:
 
 class OutputBusy(RuntimeError):
     pass
+
+
+class StageFailed(RuntimeError):
+    """The work stopped for a reason outside the task (a worker killed by the OOM killer); what
+    finished is kept. The CLI prints it as one line, like a user error."""
 
 
 def flock_holder(fd: int) -> Optional[int]:

@@ -9,6 +9,9 @@ stats and the manifest. See docs/ray.md.
 Guarantees:
 - Ray is imported only here, lazily; without it, asking for this executor raises a ClusterError
   that names the extra to install (`astrai[ray]`).
+- Connecting is bounded: an address where nothing listens is refused at once (one TCP connection
+  first), and a cluster that does not answer within ASTRAI_RAY_CONNECT_TIMEOUT_S (default 30 s) is
+  a ClusterError naming the address, instead of ray.init's minutes of retries.
 - Every node must see the paths the tasks touch (a shared filesystem mounted at the same path):
   `check_nodes` runs one tiny task pinned to each alive node before any work, and reports the
   first node that cannot see an input, the tokenizer or the output directory, by address and
@@ -42,6 +45,9 @@ class ClusterError(Exception):
 
 
 def import_ray():
+    # Ray's core logs every failed connection attempt as a warning line of its own (read when ray is
+    # imported): the run's own error says it once
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
     try:
         import ray
     except ImportError:
@@ -62,7 +68,7 @@ class RayExecutor:
             # quiet: the run reports its own progress, task errors come back as exceptions. A private
             # instance (no address anywhere) gets no dashboard; a cluster refuses start-up options.
             private = address is None and not os.environ.get("RAY_ADDRESS")
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False,
+            _connect(ray, address or os.environ.get("RAY_ADDRESS"), logging_level="ERROR", log_to_driver=False,
                      **({"include_dashboard": False} if private else {}))
         self.cwd = os.getcwd()
         self._task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_run_task)
@@ -119,7 +125,7 @@ class RayExecutor:
         except ray.exceptions.RayError as e:  # the worker died more than MAX_RETRIES times, a node was lost...
             self._cancel(pending)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise RuntimeError(f"a Ray task failed while processing {what} ({type(e).__name__}: {first}); "
+            raise ClusterError(f"a Ray task failed while processing {what} ({type(e).__name__}: {first}); "
                                f"finished {what} are kept: rerun to resume") from None
         except BaseException:
             self._cancel(pending)
@@ -159,6 +165,62 @@ class RayExecutor:
                                      f"(docs/ray.md)")
         finally:
             probe.unlink(missing_ok=True)
+
+
+CONNECT_TIMEOUT_ENV = "ASTRAI_RAY_CONNECT_TIMEOUT_S"
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+
+
+def connect_timeout() -> float:
+    try:
+        return max(float(os.environ.get(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S)), 0.1)
+    except ValueError:
+        return DEFAULT_CONNECT_TIMEOUT_S
+
+
+def _connect(ray, address: Optional[str], **kwargs) -> None:
+    """ray.init within connect_timeout() seconds, or a ClusterError saying what to check.
+
+    ray.init retries an address where no cluster answers for minutes. A plain HOST:PORT is first
+    tried with one TCP connection (refused or unreachable: said at once); then ray.init runs in a
+    daemon thread that the run stops waiting for at the deadline (Ray offers no timeout of its own)."""
+    timeout = connect_timeout()
+    hint = (f"is the cluster running and is this its address (`ray status` on its head node)? {CONNECT_TIMEOUT_ENV} "
+            f"sets how long to wait")
+    if address and address != "auto" and "://" not in address:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ClusterError(f"--ray-address {address}: expected HOST:PORT (the head node's GCS address, e.g. "
+                               f"10.0.0.1:6379), ray://HOST:PORT or auto")
+        import socket
+
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except OSError as e:
+            why = "timed out" if isinstance(e, TimeoutError) or isinstance(e, socket.timeout) else (e.strerror or str(e))
+            raise ClusterError(f"cannot reach the Ray cluster at {address} ({why}); {hint}") from None
+    import threading
+
+    outcome: dict = {}
+
+    def init():
+        try:
+            ray.init(address=address, **kwargs)
+            outcome["ok"] = True
+        except BaseException as e:  # handed to the waiting thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=init, name="astrai-ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" in outcome:
+        e = outcome["error"]
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ClusterError(f"cannot connect to the Ray cluster at {address or 'a new local instance'} ({first}); "
+                           f"{hint}") from None
+    if "ok" not in outcome:
+        raise ClusterError(f"no Ray cluster answered at {address or 'a new local instance'} within {timeout:g} s; "
+                           f"{hint}")
 
 
 _context: tuple = (None, None)  # (setup key, context) of this Ray worker process

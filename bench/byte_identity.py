@@ -157,10 +157,11 @@ def _tokenizer_loaded_once():
     saved = run_mod.load_tokenizer, process_mod.with_added_tokens
     loaded, added = {}, {}
 
-    def load_once(spec, base_dir=None):
-        if (spec, base_dir) not in loaded:
-            loaded[spec, base_dir] = saved[0](spec, base_dir)
-        return loaded[spec, base_dir]
+    def load_once(spec, base_dir=None, added_tokens=()):
+        key = (spec, base_dir, tuple(added_tokens))
+        if key not in loaded:
+            loaded[key] = saved[0](spec, base_dir, added_tokens)
+        return loaded[key]
 
     def add_once(tok, tokens):
         key = (id(tok), tuple(tokens))  # the tokenizers above live as long as the cache

@@ -1,6 +1,14 @@
-"""End-to-end preprocessing speed with 1 and 2 workers, and byte-identical output across them.
+"""End-to-end preprocessing speed: the whole `astrai preprocess` process against the tokenizer
+floor, then 1 and 2 workers, and byte-identical output across them.
 
-    python bench/e2e.py [--records 4000] [--partition-mib 4] [--packing none,bfd] [--repeats 2]
+    python bench/e2e.py [--records 4000] [--floor-repeats 5] [--partition-mib 4] [--packing none,bfd] [--repeats 2]
+
+Floor ratio (first): the whole `astrai preprocess` process (interpreter start to exit: tokenizer
+load, read, render, tokenize, mask, pack bfd 4096, write, stats; `--workers 2`, default
+partitions) against the floor, `Tokenizer.encode_batch` on the same conversations already
+rendered with the chat template (in its own fresh process, batches of 1,000, the tokenizer's own
+threads; only the encode calls are timed). tokens/s of each, the ratio whole / floor (target
+>= 0.9), median of --floor-repeats runs whose order rotates.
 
 `run_preprocess` on a JSONL file written from real ShareGPT (or chitchat) conversations, with the
 pipeline pipelines/chatml_sft.yaml (deepseek tokenizer vocabulary, bundled ChatML template), except
@@ -92,6 +100,61 @@ def run_child(input_path: Path, out: Path, packing: str, workers: int, partition
     return res
 
 
+FLOOR_SETS = ["preprocessing.packing_strategy=bfd", "preprocessing.max_packed_len=4096",
+              "preprocessing.max_seq_len=4096", "preprocessing.on_error=skip"]
+FLOOR_TARGET = 0.9
+
+
+def floor_child(args):
+    """The floor in this (fresh) process: encode_batch on the rendered conversations; one JSON line."""
+    from astrai.config import load_pipeline
+    from astrai.data.process import Processor
+    from astrai.text.tokenizer import load_tokenizer
+
+    pipe = load_pipeline(PIPELINE)
+    proc = Processor(pipe, load_tokenizer(TOKENIZER, str(ROOT), pipe.added_tokens), str(ROOT))
+    with open(args.input, encoding="utf-8") as fh:
+        texts = [proc.template.render(json.loads(line)["messages"], special_tokens=proc.special) for line in fh]
+    t0 = time.perf_counter()
+    tokens = sum(len(e.ids) for i in range(0, len(texts), 1000)
+                 for e in proc.tok.tok.encode_batch(texts[i:i + 1000], add_special_tokens=False))
+    print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": tokens}))
+
+
+def whole_process(input_path: Path, out: Path, workers: int) -> dict:
+    """`astrai preprocess` as a user runs it: wall time from start to exit, and its stats."""
+    cmd = [sys.executable, "-m", "astrai.cli", "preprocess", str(PIPELINE), "-i", str(input_path), "-o", str(out),
+           "--workers", str(workers), "--tokenizer", TOKENIZER] + [a for s in FLOOR_SETS for a in ("--set", s)]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seconds = time.perf_counter() - t0
+    stats = json.loads((out / "stats.json").read_text())
+    shutil.rmtree(out)
+    return {"seconds": seconds, "tokens": stats["tokens_written"]}
+
+
+def floor_ratio(input_path: Path, tmp: Path, repeats: int) -> float:
+    from statistics import median
+
+    floor, whole = [], []
+    for rep in range(repeats):  # rotated: neither side always runs first on a warmed machine
+        for side in (("floor", "whole") if rep % 2 == 0 else ("whole", "floor")):
+            if side == "floor":
+                from child import run_child as run
+
+                res, _, _ = run([sys.executable, str(Path(__file__).resolve()), "--floor-child", "--input",
+                                 str(input_path)], str(ROOT), None, "floor run")
+                floor.append(res["tokens"] / res["seconds"])
+            else:
+                res = whole_process(input_path, tmp / f"whole-{rep}", 2)
+                whole.append(res["tokens"] / res["seconds"])
+    f, w = median(floor), median(whole)
+    print(f"floor  encode_batch on the rendered conversations: {f:,.0f} tokens/s (median of {repeats})")
+    print(f"astrai preprocess --workers 2, bfd 4096, whole process: {w:,.0f} tokens/s (median of {repeats})")
+    print(f"floor ratio: {w / f:.2f} (target >= {FLOOR_TARGET}) {'PASS' if w / f >= FLOOR_TARGET else 'FAIL'}")
+    return w / f
+
+
 BURN = "import time\nt=time.perf_counter()\nx=0\nfor i in range(12_000_000): x+=i\nprint(time.perf_counter()-t)"
 
 
@@ -112,6 +175,9 @@ def main():
     ap.add_argument("--partition-mib", type=float, default=4.0, help="preprocessing.partition_bytes in MiB")
     ap.add_argument("--packing", default="none,bfd", help="comma-separated packing strategies to measure")
     ap.add_argument("--repeats", type=int, default=2, help="runs per setting, interleaved; best time kept")
+    ap.add_argument("--floor-repeats", type=int, default=5, help="rotated runs of the floor-ratio measurement "
+                                                                 "(0: skip it)")
+    ap.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (printed)")
     # child mode (internal)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -122,6 +188,8 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.floor_child:
+        return floor_child(args)
 
     sys.path.insert(0, str(HERE))
     from data import chats, write_jsonl
@@ -139,9 +207,14 @@ def main():
     print(f"pipeline: {PIPELINE.relative_to(ROOT)} with packing_strategy=<below>, "
           f"partition_bytes={partition_bytes}, on_error=skip; tokenizer {TOKENIZER}")
 
+    print(f"load average now: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    failed: list[str] = []
+    if args.floor_repeats:
+        if floor_ratio(input_path, tmp, args.floor_repeats) < FLOOR_TARGET:
+            failed.append("floor ratio under target")
+        print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     ceil0 = parallel_ceiling()
     print(f"machine parallel ceiling now (2 CPU-bound processes / 1): {ceil0:.2f}x")
-    failed: list[str] = []
     try:
         for packing in [p.strip() for p in args.packing.split(",") if p.strip()]:
             best: dict[str, dict] = {}

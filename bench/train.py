@@ -77,11 +77,14 @@ class PaddedContext(AttentionContext):
     def __init__(self, b: int, s: int):
         self.b, self.s = b, s
 
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, window=None, scale=None):
+        assert window is None, "the benchmark's padded baseline models full causal attention only"
+
         def r(x):
             return x.view(self.b, self.s, x.shape[1], x.shape[2]).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(r(q), r(k), r(v), is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        o = F.scaled_dot_product_attention(r(q), r(k), r(v), is_causal=True, scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
         return o.transpose(1, 2).reshape(q.shape)
 
 

@@ -89,8 +89,22 @@ def grpo(n=300, seed=11):
     return rows
 
 
+def arithmetic(n=400, seed=21):
+    """Online GRPO prompts (recipes/grpo_online.yaml): sums of two small numbers, the answer kept as a
+    value column for the reward to check; nothing is trained on directly."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        rows.append({"id": f"sum-{i:04d}", "source": "arithmetic",
+                     "messages": [{"role": "user", "content": f"What is {a} + {b}? Reply with only the number."}],
+                     "answer": str(a + b)})
+    return rows
+
+
 if __name__ == "__main__":
     convs = list(conversations())
     write("pretrain.jsonl", pretrain(convs[:600]))
     write("dpo.jsonl", dpo(convs[600:]))
     write("grpo.jsonl", grpo())
+    write("arithmetic.jsonl", arithmetic())

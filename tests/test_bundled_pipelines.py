@@ -62,7 +62,7 @@ def test_a_role_typo_is_rejected_as_unknown_role(path, tiny_tokenizer, tmp_path)
             records.append({"prompt": prompt, "chosen": [good[1]], "rejected": [dict(good[1], content="no")],
                             "completions": [{"text": "yes", "reward": 1.0}, {"text": "no", "reward": 0.0}]})
         else:
-            records.append({"messages": messages})
+            records.append({"messages": messages, "answer": "yes"})  # the prompt pipeline keeps an answer
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     stats = run_preprocess(pipe, [str(data)], str(tmp_path / "out"), tokenizer=str(tiny_tokenizer), workers=1,

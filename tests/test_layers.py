@@ -29,7 +29,10 @@ FORBIDDEN = {  # module prefix -> modules it must not import
     "astrai.config": ("astrai.data", "astrai.cli", "astrai.train", "astrai.infer", "astrai.model", "astrai.recipe"),
     "astrai.data": ("astrai.cli", "astrai.config.recipe", "astrai.train", "astrai.infer", "astrai.recipe"),
     "astrai.recipe": ("astrai.cli",),
-    "astrai.infer": ("astrai.serve", "astrai.cli", "astrai.train", "astrai.recipe"),
+    "astrai.infer": ("astrai.serve", "astrai.cli", "astrai.train", "astrai.recipe", "astrai.rl"),
+    "astrai.train": ("astrai.infer", "astrai.serve", "astrai.cli", "astrai.recipe", "astrai.rl"),
+    # online RL sits above train and infer (it drives both), below the recipe runner and the CLI
+    "astrai.rl": ("astrai.serve", "astrai.cli", "astrai.recipe"),
     # the server is a client of the engine: it never reaches into training, data or the CLI
     "astrai.serve": ("astrai.train", "astrai.data", "astrai.cli", "astrai.recipe"),
 }

@@ -73,17 +73,92 @@ def main(argv=None) -> int:
     try:
         return args.verb_module.run(args)
     except KeyboardInterrupt:
-        # finished units of work are kept (completion markers); what was half-written is redone
-        print("interrupted; rerun to resume", file=sys.stderr)
+        # the verb says what an interruption keeps (finished units of work, or nothing)
+        print(getattr(args.verb_module, "INTERRUPTED", "interrupted"), file=sys.stderr)
         return 130
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except Exception as e:
-        from astrai.errors import InputError, RecordError
-        from astrai.runtime_ray import ClusterError
+        return report(e, where=_output_of(args))
 
-        if isinstance(e, (InputError, RecordError, ClusterError)):
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        raise
+
+def _output_of(args) -> str:
+    out = getattr(args, "output", None)
+    return str(out) if isinstance(out, str) else ""
+
+
+DEBUG_ENV = "ASTRAI_DEBUG"
+
+
+def report(e: BaseException, stream=None, where: str = "") -> int:
+    """Print an error as people read it and return the exit status (1).
+
+    A problem with what the user gave (config, inputs, paths, the disk, memory) is one line, or the
+    list of every problem of a config file. Anything else is a bug of astrai's: one line saying so,
+    with the exception, so it can be reported. ASTRAI_DEBUG=1 adds the Python traceback to either."""
+    import os
+    import traceback
+
+    stream = stream or sys.stderr
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(type(e), e, e.__traceback__, file=stream)
+    line = user_error_line(e, where)
+    if line is None:
+        first = (str(e).strip().splitlines() or [""])[0]
+        line = (f"internal error: {type(e).__name__}: {first} (a bug in astrai: please report it with the "
+                f"command that caused it; {DEBUG_ENV}=1 prints the traceback)")
+    print(line, file=stream)
+    return 1
+
+
+def user_error_line(e: BaseException, where: str = ""):
+    """`error: ...` for an error caused by what the user gave or by the machine; None for a bug.
+    `where`: the output the verb was writing, named when a full disk's error does not say."""
+    from pydantic import ValidationError
+
+    from astrai.errors import InputError, RecordError, no_space_left, os_error_line
+    from astrai.recipe.rundir import RunDirError
+    from astrai.runtime import OutputBusy, StageFailed
+    from astrai.runtime_ray import ClusterError
+
+    if isinstance(e, ConfigError):  # every problem of the file at once; a single one on one line
+        if len(e.problems) != 1:
+            return f"error: {e}"
+        p = e.problems[0]
+        return (f"error: {e.file}" + (f":{p.line}:{p.column}" if p.line is not None else "")
+                + (f": {p.path}" if p.path else "") + f": {p.message}")
+    if no_space_left(e):
+        path = getattr(e, "filename", None) or where
+        return (f"error: No space left on device" + (f" while writing {path}" if path else "")
+                + f" ({_first_line(e)}); free space there or write elsewhere (what finished before is kept)")
+    if isinstance(e, OSError) and not isinstance(e, (InputError, OutputBusy)):
+        return f"error: {os_error_line(e)}"
+    if isinstance(e, MemoryError) or _torch_out_of_memory(e):
+        return ("error: out of memory" + (f": {_first_line(e)}" if str(e) else "")
+                + " (ask for less: smaller batches, kv cache or model, or a machine with more memory)")
+    text = str(e)
+    if "not compiled with CUDA" in text or "no CUDA GPUs are available" in text or "Found no NVIDIA driver" in text:
+        return f"error: a CUDA device was asked for, but {_first_line(e)}; use device cpu (or auto)"
+    # model files as the libraries that read them report them (astrai.model names most problems itself)
+    if type(e).__module__.split(".")[0] == "safetensors" or type(e).__name__ == "SafetensorError":
+        return (f"error: cannot read the checkpoint's weights ({_first_line(e)}); the .safetensors file is damaged "
+                f"or not one")
+    if isinstance(e, RuntimeError) and str(e).startswith("Error(s) in loading state_dict"):
+        detail = " ".join(str(e).split())
+        return (f"error: the checkpoint's tensors do not fit its config.json ({detail[:300]}"
+                + ("..." if len(detail) > 300 else "") + ")")
+    if isinstance(e, ValidationError):  # options built in code from user values (flags, records)
+        return "error: " + "; ".join(f"{'.'.join(map(str, err['loc'])) or 'options'}: {err['msg']}"
+                                     for err in e.errors())
+    if isinstance(e, (InputError, RecordError, ClusterError, OutputBusy, StageFailed, RunDirError, ValueError)):
+        return f"error: {_first_line(e)}"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _torch_out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return type(e).__name__ == "OutOfMemoryError" or (isinstance(e, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower()))

@@ -8,6 +8,9 @@ import time
 from astrai.config import Pipeline, Section, Source, load_any, model_help
 
 
+# finished units of work are kept (completion markers, checkpoints); what was half-written is redone
+INTERRUPTED = "interrupted; rerun to resume"
+
 def help_for(verb: str) -> str:
     return "records -> Parquet shards with exact labels"
 

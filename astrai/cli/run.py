@@ -10,6 +10,9 @@ import sys
 
 from astrai.config import detect_kind, load_yaml
 
+# finished units of work are kept (completion markers, checkpoints); what was half-written is redone
+INTERRUPTED = "interrupted; rerun to resume"
+
 
 def help_for(verb: str) -> str:
     return "run a recipe's stages (tokenizer, preprocess, train, eval ...), skipping what is up to date"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from astrai.config import ConfigError, Problem, apply_overrides, load_yaml, model_help, validate_data
 from astrai.config.train import TrainOptions
+from astrai.errors import InputError
 
 _PATH_KEYS = ("data", "val_data", "output", "ref_model", "model")
 
@@ -33,8 +34,11 @@ def load_train_config(path, overrides=()) -> TrainOptions:
                 or Path(value).is_absolute():  # a bare model name is a size preset
             continue
         fixed[key] = str(base / value)
-    return opts.model_copy(update=fixed)
+    return opts.model_copy(update=fixed).with_reward_files_under(base)
 
+
+# finished units of work are kept (completion markers, checkpoints); what was half-written is redone
+INTERRUPTED = "interrupted; rerun to resume"
 
 def help_for(verb: str) -> str:
     return "train on preprocessed data (pretrain/SFT/DPO/GRPO)"
@@ -51,8 +55,23 @@ def run(args) -> int:
     opts = load_train_config(args.config, args.overrides)  # a ConfigError is reported by astrai.cli.main
     if opts.data is None:
         raise ConfigError(args.config, [Problem("data", "data is required (a preprocessed directory)")])
+    args.output = opts.output  # named by astrai.cli.main when the disk fills up there
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"{args.config}: device: cuda, but " + ("this torch is built without CUDA"
+                             if torch.version.cuda is None else "no CUDA device is visible") + "; use device: cpu or auto")
+    if Path(opts.output).exists() and not Path(opts.output).is_dir():
+        raise InputError(f"{args.config}: output {opts.output} is a file, not a directory; give a directory "
+                         f"(checkpoints/ and final/ are written there)")
     try:
-        result = run_train(opts)
+        if opts.rollout is not None:
+            from astrai.rl.online import run_online_grpo
+
+            result = run_online_grpo(opts)
+        else:
+            result = run_train(opts)
     except TrainConfigError as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 1

@@ -3,13 +3,23 @@
 Declared here, in the config layer: a recipe's eval stage (astrai.recipe.eval_stage, which extends
 EvalOptions) is validated without importing torch or the engine, and the CLI flags of `astrai
 generate` / `astrai eval` are read off these same models (astrai.infer.flags).
+
+`sampling_with` (a request's own sampling keys over a base) and `generation_config_sampling` (a
+checkpoint's generation_config.json as SamplingParams keys) validate user-given sampling the way
+the flags are validated, one line naming the place and the key; the generate verb and the server
+share them.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import re
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from astrai.errors import InputError, InvalidRequest
+
+_DEVICE = re.compile(r"(auto|cpu|mps|cuda(:\d+)?)")
 
 
 class SamplingParams(BaseModel):
@@ -59,6 +69,13 @@ class EngineOptions(BaseModel):
     cuda_graphs: bool = Field(True, description="gpu with the cuda attention backend: replay decode steps as CUDA "
                               "graphs captured per batch-size bucket")
 
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if not _DEVICE.fullmatch(v):
+            raise ValueError(f"device {v!r}: use auto, cpu, cuda or cuda:N (mps on a Mac)")
+        return v
+
 
 CLI_MAX_TOKENS = 256
 
@@ -71,9 +88,15 @@ class GenerateOptions(BaseModel):
     base: Optional[str] = Field(None, description="the base checkpoint of an adapter directory CHECKPOINT "
                                 "(default: its adapter_config.json's base_model_name_or_path)")
     prompt: Optional[str] = Field(None, description="raw text to continue")
-    chat: Optional[str] = Field(None, description="JSONL file of conversations to answer")
-    input: Optional[str] = Field(None, description="JSONL file of {prompt | messages [, sampling]} records")
-    output: Optional[str] = Field(None, description="write JSONL results here (default: stdout)")
+    chat: Optional[str] = Field(None, description="JSONL file of conversations to answer, a {\"messages\": [...]} "
+                                "object or a bare list of messages per line; - reads standard input")
+    input: Optional[str] = Field(None, description="JSONL file of {prompt | messages [, sampling]} records; - reads "
+                                 "standard input")
+    output: Optional[str] = Field(None, description="write JSONL results here, one line per request as it finishes "
+                                  "(its index is the input's position); default: standard output")
+    as_json: bool = Field(False, description="flag --json: JSONL on standard output even on a terminal (where "
+                          "--chat and --input print the conversations and answers as text)",
+                          json_schema_extra={"flag": "--json"})
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=CLI_MAX_TOKENS))
     engine: EngineOptions = Field(default_factory=EngineOptions)
 
@@ -111,3 +134,48 @@ class EvalOptions(BaseModel):
     temperature: float = Field(0.0, ge=0.0, description="sampling temperature of the samples; 0 = greedy")
     seed: int = Field(0, description="seed of the sample generations")
     engine: EngineOptions = Field(default_factory=EngineOptions)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling a user gives per request, or a checkpoint brings
+
+# generation_config.json keys that are SamplingParams fields under the same name (transformers' names)
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _problems(err: ValidationError, prefix: str = "") -> str:
+    from astrai.config.loading import _problems_from_validation
+
+    return "; ".join(f"{prefix}{p.path}: {p.message}" if p.path else p.message
+                     for p in _problems_from_validation(err, SamplingParams, {}))
+
+
+def sampling_with(base: SamplingParams, over: Any, where: str) -> SamplingParams:
+    """`base` with a request's own `sampling` keys over it, validated as the flags are: an unknown
+    key ("did you mean temperature?") or a bad value raises InvalidRequest naming `where` (file:line)."""
+    if over is None:
+        return base
+    if not isinstance(over, dict):
+        raise InvalidRequest(f"{where}: sampling must be an object of sampling keys "
+                             f"({', '.join(SamplingParams.model_fields)}), got {type(over).__name__}")
+    try:
+        return SamplingParams.model_validate({**base.model_dump(), **over})
+    except ValidationError as e:
+        raise InvalidRequest(f"{where}: {_problems(e, 'sampling.')}") from None
+
+
+def generation_config_sampling(config: Any, where: str) -> dict:
+    """The SamplingParams keys a checkpoint's generation_config.json sets: temperature, top_p, top_k,
+    min_p and repetition_penalty where present, and `do_sample: false` as greedy (temperature 0), as
+    transformers' generate reads it. A value astrai cannot use is an InputError naming the key."""
+    if not isinstance(config, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(config).__name__}")
+    out = {k: config[k] for k in GENERATION_CONFIG_KEYS if config.get(k) is not None}
+    if config.get("do_sample") is False:
+        out["temperature"] = 0.0
+    try:
+        SamplingParams.model_validate(out)
+    except ValidationError as e:
+        raise InputError(f"{where}: {_problems(e)} (fix the file, or override the key with its flag, e.g. "
+                         f"--temperature)") from None
+    return out

@@ -24,6 +24,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from astrai import yaml_bounded
+from astrai.errors import InputError, read_text_regular
+
+MAX_YAML_BYTES = 64 << 20  # a pipeline, recipe or train YAML (real ones are a few KB)
 
 @dataclass(frozen=True)
 class Problem:
@@ -211,10 +214,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def load_yaml(path: str | os.PathLike) -> tuple[Any, dict]:
     """Safe-load a YAML file; return (data, marks)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:  # a person's error (a wrong path), not a traceback
-        raise ConfigError(str(path), [Problem("", f"no such file: {path}" if isinstance(e, FileNotFoundError)
-                                              else f"cannot read {path}: {e.strerror or e}")]) from None
+        text = read_text_regular(path, "config", MAX_YAML_BYTES)  # never a FIFO or a device: they would not end
+    except InputError as e:  # a person's error (a wrong path), not a traceback
+        raise ConfigError(str(path), [Problem("", str(e).removeprefix(f"config {path}: "))]) from None
     try:
         data, node = yaml_bounded.load(text)  # aliases and nesting bounded before anything walks the tree
     except yaml.YAMLError as e:

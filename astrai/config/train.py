@@ -59,6 +59,69 @@ class LoraOptions(StrictModel):
         return raise_combination_problems(self)
 
 
+REWARD_NAMES = ("exact_match", "numeric_match", "format", "length_penalty")
+
+
+class RewardSpec(StrictModel):
+    """One reward function: a built-in by `name` (astrai.rl.rewards) or the user's `function`."""
+
+    name: Optional[Literal["exact_match", "numeric_match", "format", "length_penalty"]] = Field(
+        None, description="built-in: exact_match / numeric_match (the completion's final answer against `column`), "
+                          "format (`pattern` found), length_penalty (DAPO's soft overlong penalty)")
+    function: Optional[str] = Field(None, description="'module:function' or 'path/file.py:function': your "
+                                                      "f(completion, sample) -> float (sample: prompt + row values)")
+    weight: float = Field(1.0, description="the step reward is the weighted sum of every function's reward")
+    column: str = Field("answer", description="exact/numeric_match: the data column holding the reference answer")
+    extract: Literal["last_number", "answer_tag", "last_line", "whole"] = Field(
+        "last_number", description="exact/numeric_match: which part of the completion is its final answer "
+                                   "(answer_tag: the text inside <answer>...</answer>)")
+    tolerance: float = Field(1e-6, ge=0, description="numeric_match: |answer - reference| <= tolerance * max(1, |ref|)")
+    pattern: Optional[str] = Field(None, description="format: a regular expression")
+    fullmatch: bool = Field(False, description="format: the whole completion (stripped) must match, not a part")
+    max_tokens: Optional[int] = Field(None, ge=1, description="length_penalty: L_max (default: rollout.max_tokens)")
+    buffer: int = Field(0, ge=0, description="length_penalty: L_cache; the penalty ramps from 0 at L_max - buffer "
+                                             "to -1 at L_max (0: only past L_max)")
+    label: Optional[str] = Field(None, description="name in metrics and completions.jsonl (default: name or function)")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.name is None) == (self.function is None):
+            raise ValueError("give exactly one of name (a built-in reward) or function ('module:function')")
+        if self.name == "format" and not self.pattern:
+            raise ValueError("the format reward needs pattern (a regular expression)")
+        if self.pattern is not None:
+            import re
+
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {e}") from None
+        if self.function is not None and ":" not in self.function:
+            raise ValueError(f"function {self.function!r}: write it as 'module:function' or 'file.py:function'")
+        return self
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name or self.function.rsplit(":", 1)[-1]
+
+
+class RolloutOptions(StrictModel):
+    """Online GRPO: completions sampled each step from the current weights by the engine."""
+
+    group_size: int = Field(8, ge=2, description="completions per prompt (G)")
+    max_tokens: int = Field(64, ge=1, description="most tokens per completion")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0: greedy, every completion alike)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0: all)")
+    prompts_per_step: Optional[int] = Field(None, ge=1, description="prompts per optimizer step (default "
+                                                                     "batch_size x grad_accum)")
+    mask_truncated: bool = Field(False, description="completions cut at max_tokens get no loss (overlong filtering)")
+    dynamic_sampling: bool = Field(False, description="groups whose rewards are all equal are left out of the loss "
+                                                      "(DAPO's filter; counted as zero_variance_share)")
+    page_size: int = Field(16, ge=1, description="engine KV page size (the unit of prompt sharing)")
+    max_running: int = Field(64, ge=1, description="engine: most completions decoding together")
+
+
 class TrainOptions(StrictModel):
     """A recipe's `train:` block, or a train YAML. Paths are relative to that file."""
 
@@ -97,6 +160,18 @@ class TrainOptions(StrictModel):
     grpo_clip_eps: float = Field(0.2, gt=0, lt=1, description="grpo: ratio clip epsilon")
     grpo_kl_coef: float = Field(0.01, ge=0, description="grpo: k3 KL weight (0: no reference model)")
     grpo_updates: int = Field(2, ge=1, description="grpo: optimizer steps per drawn batch")
+    grpo_clip_eps_low: Optional[float] = Field(None, gt=0, lt=1, description="grpo: lower clip 1 - eps_low "
+                                                                            "(default grpo_clip_eps)")
+    grpo_clip_eps_high: Optional[float] = Field(None, gt=0, description="grpo: upper clip 1 + eps_high (default "
+                                                                       "grpo_clip_eps; DAPO: 0.28)")
+    loss_type: Literal["token", "grpo", "dr_grpo", "dapo"] = Field(
+        "token", description="grpo aggregation: token (sum / completion tokens), grpo (per-sequence mean, then "
+                             "mean), dr_grpo (no std or length normalisation), dapo (token-level, decoupled clip)")
+    rollout: Optional[RolloutOptions] = Field(None, description="grpo: sample completions online from the current "
+                                                                "weights (the data holds prompts); see rewards")
+    rewards: list[RewardSpec] = Field(default_factory=list, description="online grpo: reward functions, summed "
+                                                                        "with their weights")
+    reward: Optional[RewardSpec] = Field(None, description="online grpo: a single reward function (or use rewards)")
     moe_aux_loss_coef: Optional[float] = Field(None, ge=0, description="MoE load-balancing weight (null: config's)")
 
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
@@ -124,6 +199,20 @@ class TrainOptions(StrictModel):
                                                            "skipped (counted) before training stops; 0: stop at "
                                                            "the first")
 
+    def with_reward_files_under(self, base) -> "TrainOptions":
+        """Reward functions given as a relative 'file.py:name' are files next to the config (or recipe)."""
+        from pathlib import Path
+
+        def fix(spec: Optional[RewardSpec]):
+            if spec is None or spec.function is None:
+                return spec
+            module, _, name = spec.function.rpartition(":")
+            if (module.endswith(".py") or "/" in module) and not Path(module).is_absolute():
+                return spec.model_copy(update={"function": f"{Path(base) / module}:{name}"})
+            return spec
+
+        return self.model_copy(update={"reward": fix(self.reward), "rewards": [fix(r) for r in self.rewards]})
+
     @classmethod
     def combination_problems(cls, data) -> list[tuple[tuple, str]]:
         p = []
@@ -137,6 +226,16 @@ class TrainOptions(StrictModel):
                                                                   for b in betas)):
             p.append((("betas",), "betas must be two numbers in [0, 1), e.g. [0.9, 0.95]"))
         p += [(("lora",) + loc, m) for loc, m in LoraOptions.combination_problems(get_in(data, "lora"))]
+        online = get_in(data, "rollout") is not None
+        if online and strategy != "grpo":
+            p.append((("rollout",), f"rollout samples completions for strategy grpo, not {strategy}"))
+        has_rewards = bool(get_in(data, "rewards")) or get_in(data, "reward") is not None
+        if online and not has_rewards:
+            p.append((("rewards",), "online grpo needs reward functions: rewards: [{name: numeric_match, column: "
+                                    "answer}] or reward: {function: 'my_rewards:score'}"))
+        if has_rewards and not online:
+            p.append((("rewards",), "rewards score online completions; add a rollout block (offline grpo data "
+                                    "carries its rewards)"))
         return p
 
     @model_validator(mode="after")

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from astrai.data.shard_check import check_digest, check_shard, shard_checks, stat_stamp
 from astrai.data.write import positions
-from astrai.errors import InputError
+from astrai.errors import InputError, read_text_regular
 from astrai.runtime import atomic_write_text
 from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS
 
@@ -74,23 +74,57 @@ def _arrow_cache(out: Path, shard: str, record: dict) -> Path:
     return cache
 
 
+POSITION_MODES = ("none", "doc_reset", "continuous")
+
+
+def read_manifest(out: Path) -> dict:
+    """manifest.json of a preprocess output, checked for what loading reads: every problem is an
+    InputError naming the directory or file and the key. Where each shard is and what it holds is
+    checked by astrai.data.shard_check (a path outside data/ is refused, never read)."""
+    if not out.is_dir():
+        raise InputError(f"data {out}: " + ("not a directory" if out.exists() else "no such directory")
+                         + "; give the output directory of `astrai preprocess` (manifest.json, data/*.parquet)")
+    path = out / "manifest.json"
+    if not path.exists():
+        raise InputError(f"data {out}: no manifest.json, so not a finished `astrai preprocess` output (run "
+                         f"`astrai preprocess PIPELINE -i INPUT -o {out}` first, or let it finish)")
+    try:
+        man = json.loads(read_text_regular(path, "manifest", 64 << 20))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (a manifest is written by astrai; rerun "
+                         f"preprocess)") from None
+    shards = man.get("shards") if isinstance(man, dict) else None
+    if not isinstance(shards, list) or not all(isinstance(x, str) and x for x in shards):
+        raise InputError(f"{path}: 'shards' must be a list of shard paths (damaged manifest; rerun preprocess)")
+    pipeline, tok = man.get("pipeline"), man.get("tokenizer")
+    if not isinstance(pipeline, dict) or not isinstance(pipeline.get("output", {}), dict):
+        raise InputError(f"{path}: 'pipeline' must be the pipeline's options (damaged manifest; rerun preprocess)")
+    if not isinstance(tok, dict) or not isinstance(tok.get("path"), str):
+        raise InputError(f"{path}: 'tokenizer.path' is missing (damaged manifest; rerun preprocess)")
+    mode = pipeline.get("output", {}).get("position_ids_mode", "doc_reset")
+    if mode not in POSITION_MODES:
+        raise InputError(f"{path}: pipeline.output.position_ids_mode {mode!r} is not one of "
+                         f"{', '.join(POSITION_MODES)} (damaged manifest; rerun preprocess)")
+    return man
+
+
 class ShardDataset:
     """Map-style dataset over an astrai output directory (works as a torch Dataset)."""
 
     def __init__(self, out_dir: str | os.PathLike):
         self.out = Path(out_dir)
-        manifest = self.out / "manifest.json"
-        if not manifest.exists():
-            raise FileNotFoundError(f"{self.out}: no manifest.json; is this a finished `astrai preprocess` output?")
-        try:
-            self.manifest = json.loads(manifest.read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"{manifest}: unreadable ({e}); run astrai preprocess again") from None
-        checks = shard_checks(self.out, self.manifest)
+        self.manifest = read_manifest(self.out)
+        checks = shard_checks(self.out, self.manifest)  # where each shard is, its size, rows and digest
         self.tables = []
         for shard in self.manifest["shards"]:
-            mm = pa.memory_map(str(_arrow_cache(self.out, shard, checks[shard])))
-            table = pa.ipc.open_file(mm).read_all()  # zero-copy over the mapping
+            try:
+                mm = pa.memory_map(str(_arrow_cache(self.out, shard, checks[shard])))
+                table = pa.ipc.open_file(mm).read_all()  # zero-copy over the mapping
+            except (pa.ArrowException, OSError) as e:
+                if isinstance(e, OSError) and e.errno is not None:
+                    raise  # the disk (full, unreadable): reported as such
+                raise InputError(f"{self.out / shard}: cannot read the shard ({' '.join(str(e).split())}); "
+                                 f"rerun preprocess") from None
             if table.num_rows != checks[shard]["rows"]:
                 raise InputError(f"{self.out / 'cache'}: the cache of {shard} has {table.num_rows} rows, the manifest "
                                  f"{checks[shard]['rows']}; delete {self.out / 'cache'} and retry")
@@ -99,7 +133,7 @@ class ShardDataset:
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.columns = self.tables[0].column_names if self.tables else []
         self.multi = INPUT_IDS not in self.columns and bool(self.columns)
-        self.position_mode = self.manifest["pipeline"]["output"]["position_ids_mode"]
+        self.position_mode = self.manifest["pipeline"].get("output", {}).get("position_ids_mode", "doc_reset")
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -113,6 +147,12 @@ class ShardDataset:
         t = self.tables[s]
         r = i - int(self.offsets[s])
         return {c: t.column(c)[r] for c in self.columns}
+
+    def values(self, i: int) -> dict:
+        """Row i's value columns (an answer, a reward: what a pipeline's value sections wrote), as Python
+        values; the token columns are left out."""
+        row = self._row(i)
+        return {k: v.as_py() for k, v in row.items() if k not in (INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS)}
 
     def __getitem__(self, i: int) -> dict:
         import torch

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 from astrai.errors import InputError
+from astrai.text.template import TemplateLimit
 
 MARKER = re.compile(r"<\|[^<>|\s]{1,40}\|>|(?<!<)</?[a-z][a-z0-9_]{0,30}>(?!>)")
 _PROBES = ("QSYSPROBEQ", "QUSERPROBEQ", "QASSISTANTPROBEQ")
@@ -30,6 +31,8 @@ def template_markers(template, special_tokens: dict, template_kwargs: dict) -> l
     for conv in convs:  # some templates refuse a system message
         try:
             text = template.render(conv, add_generation_prompt=False, special_tokens=special_tokens, **template_kwargs)
+        except TemplateLimit:  # past its size or time bounds: the template is at fault, stop before any work
+            raise
         except Exception:  # raise_exception or a template bug: the records will report it with its location
             continue
         for probe in _PROBES:

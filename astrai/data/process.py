@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import numpy as np
 
@@ -133,6 +133,27 @@ class Processor:
     # -- public -------------------------------------------------------------------------------
 
     def process_batch(self, records: list[dict]) -> list[Result]:
+        prepared, texts = self._prepare_batch(records)
+        return self._assemble_batch(prepared, self._encode(texts))
+
+    def process_stream(self, batches: Iterable[tuple[Any, list[dict]]]) -> Iterator[tuple[Any, list[Result]]]:
+        """process_batch over a stream of (key, records), yielding (key, results) in order. A batch is
+        encoded in a second thread (the tokenizer releases the GIL) while this one assembles the
+        batch before it and prepares the next, so rendering and labelling overlap the encoding."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="astrai-encode") as pool:
+            pending = None
+            for key, records in batches:
+                prepared, texts = self._prepare_batch(records)
+                encoding = pool.submit(self._encode, texts)
+                if pending is not None:
+                    yield pending[0], self._assemble_batch(pending[1], pending[2].result())
+                pending = (key, prepared, encoding)
+            if pending is not None:
+                yield pending[0], self._assemble_batch(pending[1], pending[2].result())
+
+    def _prepare_batch(self, records: list[dict]) -> tuple[list, dict[bool, list[str]]]:
         prepared: list[Union[tuple, Filtered, RecordError]] = []
         texts: dict[bool, list[str]] = {True: [], False: []}
         for rec in records:
@@ -149,8 +170,13 @@ class Processor:
                 continue
             for part in _parts_of(prepared[-1][0]):
                 texts[part.add_special].append(part.text)
-        encoded = {flag: iter(self.tok.tok.encode_batch(t, add_special_tokens=flag)) if t else iter(())
-                   for flag, t in texts.items()}
+        return prepared, texts
+
+    def _encode(self, texts: dict[bool, list[str]]) -> dict:
+        return {flag: iter(self.tok.tok.encode_batch(t, add_special_tokens=flag)) if t else iter(())
+                for flag, t in texts.items()}
+
+    def _assemble_batch(self, prepared: list, encoded: dict) -> list[Result]:
         out: list[Result] = []
         for prep in prepared:
             if isinstance(prep, (Filtered, RecordError)):

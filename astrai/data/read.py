@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from astrai.data.holdout import position
-from astrai.errors import InputError, RecordError
+from astrai.errors import InputError, RecordError, open_regular, regular_file
 from astrai.runtime import inside_output
 
 SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
@@ -90,8 +90,8 @@ def expand_inputs(patterns: list[str], base_dir: Optional[Union[str, Path]] = No
                     warnings.append(f"input '{pat}': directory {m} has no input files (.jsonl, .json, .parquet, "
                                     f".jsonl.gz, .jsonl.zst or a saved Hugging Face dataset)")
                 out.extend(found)
-            else:
-                if m.is_file() and m.stat().st_size == 0:
+            else:  # a saved dataset directory, or a regular file (never a FIFO or a device: refused)
+                if not m.is_dir() and regular_file(m, f"input '{pat}':").stat().st_size == 0:
                     warnings.append(f"input {m} is empty")
                 out.append(m)
     if not out:
@@ -122,7 +122,7 @@ def _dir_inputs(pat: str, d: Path, skipped: Optional[list] = None) -> list[Path]
             _refuse_dataset_dict(pat, f)
             if _is_hf_dir(f):
                 datasets.append(f)
-        elif _suffix(f) in SUFFIX_KINDS:
+        elif _suffix(f) in SUFFIX_KINDS and f.is_file():  # a FIFO or device named x.jsonl is skipped
             files.append(f)
         elif skipped is not None:
             skipped.append(f)
@@ -207,7 +207,7 @@ def _jsonl_ranges(f: Path, partition_bytes: int, hasher=None):
     (every byte in order, fed to `hasher` if given)."""
     size = f.stat().st_size
     start, line = 0, 1
-    with open(f, "rb") as fh:
+    with open_regular(f, "rb", "input") as fh:
         while start < size:
             target = start + partition_bytes
             if target >= size:

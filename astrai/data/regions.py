@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from astrai.errors import RecordError
-from astrai.text.template import REASONING_FIELDS, TemplateRaised
+from astrai.text.template import REASONING_FIELDS, TemplateLimit, TemplateRaised
 
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 _THINK_RE = re.compile(r"(\s*</?think>\s*)")
@@ -65,6 +65,8 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
                                special_tokens=special_tokens, **kwargs)
     except TemplateRaised as e:
         raise RecordError("template_error", f"the chat template raised: {e}") from None
+    except TemplateLimit:  # a template past its size or time bounds is at fault, not the record: stop the run
+        raise
     except Exception as e:  # a template bug (e.g. undefined attribute) is reported per record
         raise RecordError("template_error", f"the chat template failed: {type(e).__name__}: {e}") from None
 
@@ -106,6 +108,8 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
     try:
         skeleton = template.render(skel_msgs, add_generation_prompt=add_generation_prompt, tools=tools,
                                    special_tokens=special_tokens, **kwargs)
+    except TemplateLimit:
+        raise
     except Exception as e:
         raise RecordError("span_unverified", f"the template fails when message texts are replaced by markers "
                                              f"({type(e).__name__}: {e}); its output depends on message text") from None
@@ -348,6 +352,8 @@ def prompt_probe(template, special_tokens=None, template_kwargs=None) -> tuple[s
         b = template.render(probe, add_generation_prompt=True, special_tokens=special_tokens, **kwargs)
         turn = template.render(probe + [{"role": "assistant", "content": marker}], add_generation_prompt=False,
                                special_tokens=special_tokens, **kwargs)
+    except TemplateLimit:
+        raise
     except Exception:
         return "", "", ""
     gen_prompt = b[len(a):] if b.startswith(a) else ""

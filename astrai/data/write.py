@@ -81,26 +81,46 @@ def trained_count(table: pa.Table) -> int:
     """The trained tokens of single-output rows as a trainer sees them: labels != IGNORE_INDEX (each
     packed piece's first position included, which rows_columns masks), or every token when no
     labels column is written. stats.json's trained_tokens is the sum of this over what was written."""
-    import pyarrow.compute as pc
-
     if LABELS not in table.column_names:
-        return int(pc.sum(pc.list_value_length(table.column(INPUT_IDS))).as_py() or 0)
-    flat = np.asarray(pc.list_flatten(table.column(LABELS)))
-    return int(np.count_nonzero(flat != IGNORE_INDEX))
+        return sum(int(_list_offsets(c)[-1] - _list_offsets(c)[0]) for c in table.column(INPUT_IDS).chunks)
+    return sum(int(np.count_nonzero(_list_values(c) != IGNORE_INDEX)) for c in table.column(LABELS).chunks)
+
+
+def _list_offsets(chunk: pa.ListArray) -> np.ndarray:
+    return np.frombuffer(chunk.buffers()[1], dtype=np.int32, count=len(chunk) + 1, offset=4 * chunk.offset)
+
+
+def _list_values(chunk: pa.ListArray) -> np.ndarray:
+    """A list<int32> chunk's values as numpy, read off its buffers (no copy)."""
+    off, values = _list_offsets(chunk), chunk.values
+    flat = np.frombuffer(values.buffers()[1], dtype=np.int32, count=len(values), offset=4 * values.offset)
+    return flat[off[0]:off[-1]]
+
+
+# Arrays and tables are built from numpy buffers with from_buffers/from_arrays: pa.array and
+# pa.table check their input against pandas types, which imports pandas (0.5 s) in every process.
+
+def int32_array(values: np.ndarray) -> pa.Array:
+    v = np.ascontiguousarray(values, dtype=np.int32)
+    return pa.Array.from_buffers(pa.int32(), len(v), [None, pa.py_buffer(v)])
+
+
+def table_of(cols: dict) -> pa.Table:
+    return pa.Table.from_arrays(list(cols.values()), names=list(cols))
 
 
 def list_array(values: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """list<int32> from flat values and per-row lengths, without Python loops."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values.astype(np.int32, copy=False)))
+    return pa.ListArray.from_arrays(int32_array(offsets), int32_array(values))
 
 
 def nested_list_array(values: np.ndarray, inner_lengths: np.ndarray, outer_counts: np.ndarray) -> pa.Array:
     inner = list_array(values, inner_lengths)
     offsets = np.zeros(len(outer_counts) + 1, dtype=np.int32)
     np.cumsum(outer_counts, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), inner)
+    return pa.ListArray.from_arrays(int32_array(offsets), inner)
 
 
 def value_array(vals: list, value_type: str, per_item: bool) -> pa.Array:

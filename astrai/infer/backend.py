@@ -11,13 +11,17 @@ the positions the K/V is stored under), backend.write_kv(layer, k, v, slots), th
   kv_lens   [B]   int32     tokens of K/V of request b, the new ones included (already written)
   page_size
 Query i (0-based among request b's q_len new tokens) sits at position kv_len - q_len + i and
-attends to K/V positions <= that; scale 1/sqrt(D). Grouped-query heads: query head h reads K/V
-head h // (Hq / Hkv). `decode` is the q_len == 1 case with q of shape [B, Hq, D].
+attends to K/V positions <= that (and, in a layer with a sliding window W, > that - W); softmax
+scale `scale`, 1/sqrt(D) when None (both per layer, from the model: astrai.model.attention).
+Grouped-query heads: query head h reads K/V head h // (Hq / Hkv). `decode` is the q_len == 1
+case with q of shape [B, Hq, D].
 `host` carries the same numbers as Python lists for backends that loop on the host, and `scratch`
 is where a backend keeps what it derives from the meta (once per step, not once per layer).
 
-Selection: `select_backend(device, dtype)` returns the first of BACKENDS (in priority order) that
-can serve, unless one is forced: `with attn_backend("torch"): ...` (a contextvar, so per thread /
+Selection: `select_backend(device, dtype, config)` returns the first of BACKENDS (in priority order)
+that can serve the device, the dtype and the model (`supports`, then `serves(config)`: a backend
+whose kernels cannot compute a model's attention, e.g. its head_dim, refuses it so another is
+chosen, never a silently wrong result), unless one is forced: `with attn_backend("torch"): ...` (a contextvar, so per thread /
 task) or else the ASTRAI_ATTN_BACKEND environment variable. A forced backend that cannot serve
 raises BackendUnavailable with its reason; it never falls back silently.
 """
@@ -89,6 +93,11 @@ class AttentionBackend(ABC):
         """(True, "") or (False, why not) for this device and dtype."""
         return True, ""
 
+    @classmethod
+    def serves(cls, config) -> tuple[bool, str]:
+        """(True, "") or (False, why not) for this model (an astrai.model.ModelConfig)."""
+        return True, ""
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
         """RoPE on q [T, Hq, D] and k [T, Hkv, D]; `rope` is the model's Rotary (its float32 cos/sin tables)."""
         from astrai.model.rope import apply_rotary
@@ -101,11 +110,13 @@ class AttentionBackend(ABC):
         self.v_cache[layer].index_copy_(0, slots, v)
 
     @abstractmethod
-    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window: Optional[int] = None,
+                scale: Optional[float] = None) -> torch.Tensor:
         """q [T, Hq, D] ragged over the batch -> o [T, Hq, D]."""
 
     @abstractmethod
-    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window: Optional[int] = None,
+               scale: Optional[float] = None) -> torch.Tensor:
         """q [B, Hq, D], one new token per request -> o [B, Hq, D]."""
 
 
@@ -126,7 +137,15 @@ def _load(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
-def select_backend(device, dtype: torch.dtype) -> type[AttentionBackend]:
+def _usable(cls, device, dtype, config) -> tuple[bool, str]:
+    ok, why = cls.supports(device, dtype)
+    if ok and config is not None:
+        ok, why = cls.serves(config)
+    return ok, why
+
+
+def select_backend(device, dtype: torch.dtype, config=None) -> type[AttentionBackend]:
+    """The backend class for this device, dtype and model config (None: any model)."""
     device = torch.device(device)
     forced, origin = _forced.get(), "attn_backend()"
     if forced is None and os.environ.get(ENV_VAR):
@@ -138,7 +157,7 @@ def select_backend(device, dtype: torch.dtype) -> type[AttentionBackend]:
             cls = _load(forced)
         except ImportError as e:
             raise BackendUnavailable(f"{origin} forces attention backend {forced!r}, which cannot load: {e}") from e
-        ok, why = cls.supports(device, dtype)
+        ok, why = _usable(cls, device, dtype, config)
         if not ok:
             raise BackendUnavailable(f"{origin} forces attention backend {forced!r}, which cannot serve "
                                      f"{device} / {dtype}: {why}")
@@ -148,6 +167,6 @@ def select_backend(device, dtype: torch.dtype) -> type[AttentionBackend]:
             cls = _load(name)
         except ImportError:
             continue  # an optional backend whose dependency is absent
-        if cls.supports(device, dtype)[0]:
+        if _usable(cls, device, dtype, config)[0]:
             return cls
     raise BackendUnavailable(f"no attention backend serves {device} / {dtype}")

@@ -19,13 +19,16 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from astrai.config.infer import EngineOptions
+from astrai.config.infer import EngineOptions, generation_config_sampling
+from astrai.errors import InputError, InvalidRequest, read_text_regular
 from astrai.infer.backend import select_backend
+from astrai.infer.budget import check_engine_memory, resolve_device
 from astrai.infer.cache import PagePool, pages_for
 from astrai.text.prompt import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
+from astrai.text.template import ChatTemplate
 from astrai.infer.detokenize import OutputText
 from astrai.infer.kv_storage import KVStorage
-from astrai.infer.request import FINISHED, Request, SamplingParams
+from astrai.infer.request import FINISHED, Request, SamplingParams, check_request
 from astrai.infer.runner import ModelRunner
 from astrai.infer.sampling import TokenLogprob, make_generator, sample
 from astrai.infer.scheduler import Scheduler
@@ -74,36 +77,45 @@ class EngineStats:
                 "preemptions": sched.num_preemptions}
 
 
-def _device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
-
-
 class Engine:
     def __init__(self, model, tokenizer=None, options: Optional[EngineOptions] = None, eos_ids: Iterable[int] = ()):
         self.options = o = options or EngineOptions()
-        self.device = _device(o.device)
+        self.device = resolve_device(o.device)
         dtype = DTYPES.get(o.dtype) or (torch.float32 if self.device.type == "cpu" else next(model.parameters()).dtype)
-        self.model = model.to(device=self.device, dtype=dtype).eval()
         c = model.config
+        check_engine_memory(o, c, dtype, self.device)  # before the KV pool is allocated
+        self.model = model.to(device=self.device, dtype=dtype).eval()
         self.tokenizer = tokenizer
-        self.template = chat_template_for(tokenizer, o.chat_template) if tokenizer is not None else None
         self.eos_ids = frozenset(eos_ids) | ({tokenizer.eos_id} if tokenizer and tokenizer.eos_id is not None else set())
-        self.eot_id = end_of_turn_id(tokenizer, self.template) if self.template is not None else None
+        self.generation_defaults: dict = {}  # SamplingParams keys of the checkpoint's generation_config.json
+        # the chat template is compiled and probed on the first conversation, never for text or ids
+        self._template, self._eot_id = None, None
         num_pages = pages_for(o.kv_cache_tokens, o.page_size)
         # one page more than the pool hands out: the scratch page padded rows of a CUDA graph write to
         kv = KVStorage(c.num_hidden_layers, (num_pages + 1) * o.page_size, c.num_key_value_heads, c.head_dim, dtype,
                        self.device)
         self.pool = PagePool(num_pages, o.page_size, o.max_running,
                              min(num_pages * o.page_size, c.max_position_embeddings), o.prefix_cache, self.device)
-        self.backend = select_backend(self.device, dtype)(kv.k_cache, kv.v_cache)
+        self.model.reserve_positions(self.pool.max_context)  # fused RoPE kernels read the table unchecked
+        self.backend = select_backend(self.device, dtype, c)(kv.k_cache, kv.v_cache)
         self.scheduler = Scheduler(self.pool, o.max_running, o.max_step_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, compile=o.compile,
                                   cuda_graphs=o.cuda_graphs)
         self.stats = EngineStats()
         self._next_rid = 0
         self._texts: dict[int, OutputText] = {}
+
+    @property
+    def template(self) -> Optional[ChatTemplate]:
+        if self._template is None and self.tokenizer is not None:
+            self._template = chat_template_for(self.tokenizer, self.options.chat_template) or False
+        return self._template or None
+
+    @property
+    def eot_id(self) -> Optional[int]:
+        if self._eot_id is None:
+            self._eot_id = end_of_turn_id(self.tokenizer, self.template) if self.template is not None else False
+        return None if self._eot_id is False else self._eot_id
 
     @classmethod
     def from_checkpoint(cls, path: Union[str, Path], options: Optional[EngineOptions] = None,
@@ -118,22 +130,36 @@ class Engine:
         from astrai.text.tokenizer import load_tokenizer
 
         path = Path(path)
+        resolve_device((options or EngineOptions()).device)  # a device this machine lacks: said before loading
         model = load_checkpoint(path, base)
         dirs = [path, resolve_base(path, base)] if is_adapter(path) else [path]
         tok_dir = next((d for d in dirs if (d / "tokenizer.json").exists()), None)
         tokenizer = load_tokenizer(str(tok_dir)) if tok_dir is not None else None
-        eos = []
+        eos, defaults = [], {}
         for name in ("config.json", "generation_config.json"):
-            if (dirs[-1] / name).exists():
-                e = json.loads((dirs[-1] / name).read_text()).get("eos_token_id")
-                eos += e if isinstance(e, list) else [e] if e is not None else []
-        return cls(model, tokenizer, options, eos)
+            f = dirs[-1] / name
+            if not f.exists():
+                continue
+            try:
+                cfg = json.loads(read_text_regular(f, name, 1 << 20))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{f}:{e.lineno}: invalid JSON: {e.msg}") from None
+            e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+            ids = e if isinstance(e, list) else [e] if e is not None else []
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise InputError(f"{f}: eos_token_id must be a token id or a list of them, got {e!r}")
+            eos += ids
+            if name == "generation_config.json":
+                defaults = generation_config_sampling(cfg, str(f))
+        engine = cls(model, tokenizer, options, eos)
+        engine.generation_defaults = defaults
+        return engine
 
     # ---- requests ----
     def encode(self, prompt: Prompt) -> list[int]:
         """The token ids of a prompt (a conversation rendered with the chat template); no engine state is
         touched, so a server may call it outside the thread that steps the engine."""
-        return encode_prompt(prompt, self.tokenizer, self.template)
+        return encode_prompt(prompt, self.tokenizer, self.template if is_chat(prompt) else None)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     end_of_turn: Optional[bool] = None) -> Request:
@@ -141,6 +167,7 @@ class Engine:
         conversation (pass True with the ids of a conversation already rendered by `encode`)."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
+        check_request(ids, params, self.model.config.vocab_size, isinstance(prompt, str) or is_chat(prompt))
         stop_ids = set(params.stop_token_ids)
         if end_of_turn is None:
             end_of_turn = is_chat(prompt)
@@ -224,7 +251,10 @@ class Engine:
         index = {}
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                index[self.add_request(p, sp).rid] = i
+                try:
+                    index[self.add_request(p, sp).rid] = i
+                except InvalidRequest as e:  # which request: the caller maps it to a file line
+                    raise InvalidRequest(str(e), i) from None
             while any(self._live(index)):
                 for req, token, delta in self.step():
                     if req.rid not in index:

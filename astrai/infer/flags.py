@@ -48,7 +48,7 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tup
             add_flags(parser, sub, skip, f"{path}{name}.", default)
             continue
         typ, is_list, is_bool = _scalar(f.annotation)
-        flag = "--" + name.replace("_", "-")
+        flag = (f.json_schema_extra or {}).get("flag") or "--" + name.replace("_", "-")
         help_ = f"{f.description or ''} [default: {default}]"
         dest = (path + name).replace(".", "__")
         metavar = name.upper()
@@ -81,5 +81,6 @@ def build(model: type[BaseModel], args: argparse.Namespace, overrides: list[str]
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}"
+                             for err in e.errors())
         raise ValueError(f"invalid options: {problems}") from None

@@ -2,59 +2,44 @@
 
     astrai generate runs/sft/model --prompt "Once upon a time" --max-tokens 64
     astrai generate runs/sft/model --chat chats.jsonl --temperature 0.7 --seed 1
+    echo '[{"role": "user", "content": "Hi"}]' | astrai generate runs/sft/model --chat -
     astrai generate runs/sft/model --input batch.jsonl --output out.jsonl
 
-`--prompt` continues the raw text (tokenized as the tokenizer does by default); `--chat` renders
-each conversation (a JSONL line: {"messages": [...]} or a bare list of messages) with the chat
-template and the generation prompt; `--input` reads JSONL records holding "prompt" or "messages"
-(optionally "sampling": per-record SamplingParams fields). One prompt streams to the terminal;
-several are generated together (continuous batching) and written as JSONL, one record per prompt
-in input order, to --output or stdout. Engine statistics go to stderr.
+`--prompt` continues the raw text (tokenized as the tokenizer does by default) and prints the
+continuation; `--chat` renders each conversation (a JSONL line: {"messages": [...]} or a bare
+list of messages) with the chat template and the generation prompt; `--input` reads JSONL records
+holding "prompt" or "messages" (optionally "sampling": that record's own sampling keys). `-` reads
+standard input. Several requests are generated together (continuous batching).
+
+What is printed: on a terminal, --chat and --input show each conversation (or prompt) and its
+answer as text, one request streamed as it is generated; with --output FILE, --json, or when
+standard output is not a terminal, one JSONL record per request, written and flushed as each one
+finishes ("index" is its position in the input), so an interrupted batch keeps what finished and
+says so. Engine statistics go to standard error.
+
+Everything a user gives is checked before the model is loaded, each problem one line naming the
+file:line and key: the records, their sampling keys, the --output path. What only the model can
+tell (token ids outside its vocabulary, too many logprobs, a conversation the chat template
+refuses) is checked for every request before the first token is generated.
+
+Sampling, highest first: a record's own "sampling", then flags and --set, then the checkpoint's
+generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; do_sample: false
+means greedy), then astrai's defaults.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
-from typing import Optional
 
-from astrai.config.infer import GenerateOptions, SamplingParams
+from astrai.config.infer import GenerateOptions, SamplingParams, sampling_with
+from astrai.errors import InputError, InvalidRequest
+from astrai.infer.generate_io import Item, ResultWriter, TextWriter, completion_record, open_output, read_records
 
+__all__ = ["GenerateOptions", "generate_main", "completion_record", "read_records"]
 
-def read_jsonl_prompts(path: str, chat_only: bool) -> list[tuple[object, Optional[dict]]]:
-    """(prompt or messages, per-record sampling overrides) per line; errors name file:line."""
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: invalid JSON: {e.msg}") from None
-            if isinstance(rec, list):
-                rec = {"messages": rec}
-            if not isinstance(rec, dict) or not ("messages" in rec or ("prompt" in rec and not chat_only)):
-                want = "messages" if chat_only else "prompt or messages"
-                raise ValueError(f"{path}:{n}: expected an object with {want} (or a list of messages)")
-            prompt = rec["messages"] if "messages" in rec else rec["prompt"]
-            if "messages" in rec and not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
-                raise ValueError(f"{path}:{n}: messages must be a non-empty list of {{role, content}} objects")
-            out.append((prompt, rec.get("sampling")))
-    if not out:
-        raise ValueError(f"{path}: no records")
-    return out
-
-
-def completion_record(c, prompt) -> dict:
-    rec = {"index": c.index, "prompt" if isinstance(prompt, str) else "messages": prompt, "text": c.text,
-           "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-           "prompt_tokens": len(c.prompt_token_ids), "cached_tokens": c.cached_tokens,
-           "preemptions": c.preemptions, "latency_s": round(c.latency, 4)}
-    if c.logprobs is not None:
-        rec["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
-    return rec
+SAMPLING_ORDER = ("sampling, highest first: a record's own \"sampling\" (--input), then the flags and --set, then "
+                  "the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; "
+                  "do_sample: false = greedy), then the defaults shown")
 
 
 def _why(c, engine) -> str:
@@ -68,37 +53,35 @@ def _why(c, engine) -> str:
     return c.finish_reason or "unknown"
 
 
-def generate_main(options: GenerateOptions, out=None, err=None) -> int:
+def _items(options: GenerateOptions, stdin) -> list[Item]:
+    if options.prompt is not None:
+        return [Item(options.prompt, None, "--prompt")]
+    return read_records(options.chat or options.input, options.chat is not None, options.sampling, stdin)
+
+
+def _base_sampling(options: GenerateOptions, checkpoint_defaults: dict) -> SamplingParams:
+    """The flags over the checkpoint's generation_config.json over the defaults."""
+    given = options.sampling.model_dump(include=options.sampling.model_fields_set)
+    return SamplingParams.model_validate({**options.sampling.model_dump(), **checkpoint_defaults, **given})
+
+
+def generate_main(options: GenerateOptions, out=None, err=None, stdin=None) -> int:
     from astrai.infer.engine import Engine
 
     out, err = out or sys.stdout, err or sys.stderr
-    if options.prompt is not None:
-        items = [(options.prompt, None)]
-    else:
-        items = read_jsonl_prompts(options.chat or options.input, chat_only=options.chat is not None)
-    params = [options.sampling.model_copy(update=over) if over else options.sampling for _, over in items]
-    params = [SamplingParams.model_validate(p.model_dump()) for p in params]  # overrides validated too
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
-    prompts = [p for p, _ in items]
-    if len(prompts) == 1 and options.output is None:
-        done = None
-        for ev in engine.stream(prompts, params):
-            out.write(ev.text)
-            out.flush()
-            done = ev.completion or done
-        out.write("\n")
-        if done is not None:  # say why it stopped: an empty answer must not look like a failure
-            err.write(f"[generate] finished after {len(done.token_ids)} token(s): {_why(done, engine)}\n")
-    else:
-        results: list[Optional[dict]] = [None] * len(prompts)
-        for ev in engine.stream(prompts, params):
-            if ev.completion is not None:
-                results[ev.index] = completion_record(ev.completion, prompts[ev.index])
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
-        if options.output:
-            Path(options.output).write_text(text, encoding="utf-8")
-        else:
-            out.write(text)
+    items = _items(options, stdin)
+    sink = open_output(options.output) if options.output else None  # before the model is loaded
+    try:
+        engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
+        base = _base_sampling(options, engine.generation_defaults)
+        params = [sampling_with(base, it.sampling, it.where) for it in items]
+        text_view = not sink and not options.as_json and (options.prompt is not None or _is_terminal(out))
+        writer = TextWriter(out, len(items), echo=options.prompt is None) if text_view else \
+            ResultWriter(sink or out, options.output or "standard output", len(items), fresh=sink is not None)
+        _run(engine, items, params, writer, err)
+    finally:
+        if sink is not None:
+            sink.close()
     s = engine.engine_stats()
     err.write(f"[generate] {s['requests']} request(s), {s['generated_tokens']} tokens in {s['seconds']:.2f}s "
               f"({s['tokens_per_second']:.1f} tok/s), prefix cache hit rate {s['prefix_cache_hit_rate']:.0%}, "
@@ -106,9 +89,36 @@ def generate_main(options: GenerateOptions, out=None, err=None) -> int:
     return 0
 
 
+def _run(engine, items: list[Item], params: list[SamplingParams], writer, err) -> None:
+    writer.start(items)
+    last = None
+    try:
+        for ev in engine.stream([it.prompt for it in items], params):
+            writer.delta(ev.index, ev.text)
+            if ev.completion is not None:
+                writer.done(ev.completion, items[ev.index])
+                last = ev.completion
+    except InvalidRequest as e:  # found before the first token: say which record
+        where = items[e.index].where if e.index is not None else ""
+        raise InputError(f"{where}: {e}" if where and where != "--prompt" else str(e)) from None
+    except KeyboardInterrupt:
+        raise Interrupted(writer.kept()) from None
+    if len(items) == 1 and last is not None:  # say why it stopped: an empty answer must not look like a failure
+        err.write(f"[generate] finished after {len(last.token_ids)} token(s): {_why(last, engine)}\n")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during generation, carrying what was kept (the CLI prints it, exit 130)."""
+
+
+def _is_terminal(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 def add_arguments(parser) -> None:
     from astrai.infer.flags import add_flags
 
+    parser.epilog = SAMPLING_ORDER
     parser.add_argument("checkpoint", help=GenerateOptions.model_fields["checkpoint"].description)
     add_flags(parser, GenerateOptions, skip=("checkpoint",))
 
@@ -118,6 +128,6 @@ def run(args) -> int:
 
     try:
         return generate_main(build(GenerateOptions, args, getattr(args, "overrides", [])))
-    except (ValueError, FileNotFoundError) as e:  # bad options, input lines, a request that cannot fit
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 130

@@ -15,9 +15,8 @@ from collections import Counter
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from astrai.model.attention import AttentionContext
+from astrai.model.attention import AttentionContext, causal_sdpa
 from astrai.schema import IGNORE_INDEX
 
 
@@ -27,13 +26,10 @@ class DocumentContext(AttentionContext):
     def __init__(self, doc_lens: list[int]):
         self.doc_lens = doc_lens
 
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, window=None, scale=None):
         out, start = torch.empty_like(q), 0
         for n in self.doc_lens:
-            # 4-D on purpose: on CPU, 3-D inputs take SDPA's math path (measured 5x slower at 1k tokens)
-            qd, kd, vd = (x[start:start + n].transpose(0, 1)[None] for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-            out[start:start + n] = o[0].transpose(0, 1)
+            out[start:start + n] = causal_sdpa(q[start:start + n], k[start:start + n], v[start:start + n], window, scale)
             start += n
         return out
 

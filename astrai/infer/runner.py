@@ -51,11 +51,11 @@ class PagedContext(AttentionContext):
     def rotary(self, q, k, position_ids, rope):
         return self.backend.rotary(q, k, position_ids, rope)
 
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, window=None, scale=None):
         self.backend.write_kv(layer_idx, k, v, self.slots)
         if self.decode:
-            return self.backend.decode(layer_idx, q, self.meta)
-        return self.backend.prefill(layer_idx, q, self.meta)
+            return self.backend.decode(layer_idx, q, self.meta, window, scale)
+        return self.backend.prefill(layer_idx, q, self.meta, window, scale)
 
 
 class DecodeInputs:
@@ -144,7 +144,7 @@ class ModelRunner:
         key = (w.data_ptr(), w._version)
         if key != self._head_key:
             self._head_t, self._head_key = w.detach().t().contiguous(), key
-        return hidden @ self._head_t
+        return self.model.cap_logits(hidden @ self._head_t)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext, list[int]]:
         if all(n == 1 for n in batch.q_lens):

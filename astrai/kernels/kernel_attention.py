@@ -42,11 +42,12 @@ class KernelAttention:
                 meta.scratch[key] = max(meta.host.get("kv_lens") or meta.kv_lens.tolist(), default=0)
         return meta.scratch[key]
 
-    def prefill(self, layer: int, q: torch.Tensor, meta) -> torch.Tensor:
+    def prefill(self, layer: int, q: torch.Tensor, meta, window=None, scale=None) -> torch.Tensor:
         return kernels.prefill(q, self.k_cache[layer], self.v_cache[layer], meta.qo_indptr, meta.kv_indptr,
                                meta.kv_page_indices, meta.kv_lens, meta.page_size, self._max(meta, "max_q_len"),
-                               self.executor)
+                               self.executor, scale=scale, window=window)
 
-    def decode(self, layer: int, q: torch.Tensor, meta) -> torch.Tensor:
+    def decode(self, layer: int, q: torch.Tensor, meta, window=None, scale=None) -> torch.Tensor:
         return kernels.decode(q, self.k_cache[layer], self.v_cache[layer], meta.kv_indptr, meta.kv_page_indices,
-                              meta.kv_lens, meta.page_size, self._max(meta, "max_kv_len"), self.executor)
+                              meta.kv_lens, meta.page_size, self._max(meta, "max_kv_len"), self.executor,
+                              scale=scale, window=window)

@@ -163,12 +163,29 @@ def _check_paged(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, batch: i
            f"kv_indptr has {kv_indptr.shape[0]} entries and kv_lens {kv_lens.shape[0]} for {batch} requests")
 
 
+NO_WINDOW = 1 << 30  # the window the attention kernels get for a layer without a sliding window
+
+
+def _window(window: int | None) -> I32:
+    _check(window is None or 1 <= window < NO_WINDOW, f"sliding window {window} must be in 1..{NO_WINDOW - 1}")
+    return I32(NO_WINDOW if window is None else window)
+
+
+def _scale_log2(scale: float | None, head_dim: int) -> F32:
+    """The softmax scale (1/sqrt(head_dim) when None) times log2(e): the kernels exponentiate in base 2."""
+    return F32(1.4426950408889634 / math.sqrt(head_dim) if scale is None else 1.4426950408889634 * scale)
+
+
 def decode_launches(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, page_size: int, max_kv_len: int,
-                    out, executor: Executor, num_splits: int | None = None) -> list[Launch]:
-    """q [B, Hq, D] -> out [B, Hq, D] (contiguous); a merge launch follows when the K/V is split."""
+                    out, executor: Executor, num_splits: int | None = None, scale: float | None = None,
+                    window: int | None = None) -> list[Launch]:
+    """q [B, Hq, D] -> out [B, Hq, D] (contiguous); a merge launch follows when the K/V is split.
+    With a sliding window each request's splits cover only its last `window` positions."""
     batch, hq, head_dim = q.shape
     _check_paged(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, batch)
     hkv = k_cache.shape[1]
+    if window is not None:
+        max_kv_len = min(max_kv_len, window)
     if num_splits is None:
         splits, split_len = plan_splits(batch, hkv, max_kv_len, executor.num_sms)
     else:
@@ -183,9 +200,9 @@ def decode_launches(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, page_
         lse = executor.empty((batch, hq, splits), torch.float32, q.device)
     else:  # never read: the kernel writes `out` directly
         part = lse = executor.empty((1,), torch.float32, q.device)
-    scale_log2 = F32(1.4426950408889634 / math.sqrt(head_dim))
+    scale_log2 = _scale_log2(scale, head_dim)
     args = (q, I64(q.stride(0)), I64(q.stride(1)), k_cache, v_cache, kv_indptr, page_indices, kv_lens, out,
-            part, lse, I32(hq), I32(hkv), I32(head_dim), I32(page_size), I32(split_len), scale_log2)
+            part, lse, I32(hq), I32(hkv), I32(head_dim), I32(page_size), I32(split_len), _window(window), scale_log2)
     launches = [Launch("paged_decode", _expr("paged_decode", q.dtype), (splits, hkv, max(batch, 1)),
                        (ATTN_THREADS, 1, 1), smem, args)]
     if splits > 1:
@@ -203,7 +220,8 @@ def prefill_tile_tokens(group: int, head_dim: int) -> int:
 
 
 def prefill_launch(q, k_cache, v_cache, qo_indptr, kv_indptr, page_indices, kv_lens, page_size: int,
-                   max_q_len: int, out, tile_tokens: int | None = None) -> Launch:
+                   max_q_len: int, out, tile_tokens: int | None = None, scale: float | None = None,
+                   window: int | None = None) -> Launch:
     """q [T, Hq, D] ragged by qo_indptr -> out [T, Hq, D] (contiguous)."""
     batch = kv_lens.shape[0]
     _check_paged(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, batch)
@@ -215,8 +233,8 @@ def prefill_launch(q, k_cache, v_cache, qo_indptr, kv_indptr, page_indices, kv_l
     tile = tile_tokens or prefill_tile_tokens(group, head_dim)
     q_tiles = max(1, math.ceil(max_q_len / tile))
     args = (q, I64(q.stride(0)), I64(q.stride(1)), k_cache, v_cache, qo_indptr, kv_indptr, page_indices, kv_lens,
-            out, I32(hq), I32(hkv), I32(head_dim), I32(page_size), I32(tile),
-            F32(1.4426950408889634 / math.sqrt(head_dim)))
+            out, I32(hq), I32(hkv), I32(head_dim), I32(page_size), I32(tile), _window(window),
+            _scale_log2(scale, head_dim))
     return Launch("paged_prefill", _expr("paged_prefill", q.dtype), (q_tiles, hkv, max(batch, 1)),
                   (ATTN_THREADS, 1, 1), attn_smem_bytes(tile * group, head_dim), args)
 
@@ -234,19 +252,21 @@ def write_kv(k, v, k_cache, v_cache, slots, executor: Executor) -> None:
 
 
 def decode(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, page_size: int, max_kv_len: int,
-           executor: Executor, num_splits: int | None = None) -> torch.Tensor:
+           executor: Executor, num_splits: int | None = None, scale: float | None = None,
+           window: int | None = None) -> torch.Tensor:
     out = executor.empty(q.shape, q.dtype, q.device)
     if q.shape[0]:
         for launch in decode_launches(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, page_size,
-                                      max_kv_len, out, executor, num_splits):
+                                      max_kv_len, out, executor, num_splits, scale, window):
             executor.run(launch)
     return out
 
 
 def prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, page_indices, kv_lens, page_size: int, max_q_len: int,
-            executor: Executor, tile_tokens: int | None = None) -> torch.Tensor:
+            executor: Executor, tile_tokens: int | None = None, scale: float | None = None,
+            window: int | None = None) -> torch.Tensor:
     out = executor.empty(q.shape, q.dtype, q.device)
     if q.shape[0]:
         executor.run(prefill_launch(q, k_cache, v_cache, qo_indptr, kv_indptr, page_indices, kv_lens, page_size,
-                                    max_q_len, out, tile_tokens))
+                                    max_q_len, out, tile_tokens, scale, window))
     return out

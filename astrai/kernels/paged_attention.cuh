@@ -3,7 +3,8 @@
 // with an online (running max / running sum) softmax in base 2 and fp32 accumulation.
 //
 // Guarantees: every K/V position in [kv_begin, kv_end) is read exactly once per block; row r sees
-// only positions <= limit[r] (limit -1 masks a padding row); m/l/acc of a row that saw nothing are
+// only positions in (limit[r] - window, limit[r]] (limit -1 masks a padding row; the host passes
+// window = 2^30, launch.NO_WINDOW, for plain causal attention); m/l/acc of a row that saw nothing are
 // -inf/0/0, so callers can write 0 and lse = -inf for it. Shared memory holds everything in fp32;
 // the host computes the same layout size in astrai/kernels/launch.py (attn_smem_bytes).
 #pragma once
@@ -52,7 +53,7 @@ template <typename T>
 __device__ void attend_paged(const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                              const int* __restrict__ pages, int page_size, int num_kv_heads,
                              int head_dim, int kv_head, int kv_begin, int kv_end, int rows,
-                             const AttnSmem& s) {
+                             int window, const AttnSmem& s) {
   constexpr int kVec = Vec16<T>::kElems;
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
@@ -118,7 +119,9 @@ __device__ void attend_paged(const T* __restrict__ k_cache, const T* __restrict_
 #pragma unroll
       for (int j = 0; j < kScoreRows; ++j) {
         const int r = r0 + j;
-        if (r < rows) s.p[r * kAttnTile + t] = (pos < kv_end && pos <= s.limit[r]) ? dot[j] : neg_inf();
+        if (r < rows)
+          s.p[r * kAttnTile + t] =
+              (pos < kv_end && pos <= s.limit[r] && pos > s.limit[r] - window) ? dot[j] : neg_inf();
       }
     }
     __syncthreads();

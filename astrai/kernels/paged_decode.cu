@@ -2,9 +2,10 @@
 //
 // Grid (num_splits, num_kv_heads, batch), kAttnThreads threads. A block serves all query heads
 // of one KV head (grouped-query attention: K/V read once per group) over one split of the K/V
-// positions, [split * split_len, (split + 1) * split_len). With one split the block writes the
-// normalised output directly; with more it writes an fp32 partial output and its log-sum-exp
-// (base 2) and merge_splits_kernel combines them. A request with kv_len 0 gets zeros.
+// positions it can see, [base + split * split_len, base + (split + 1) * split_len), where base is
+// max(0, kv_len - window) (0 without a sliding window: window = 2^30). With one split the
+// block writes the normalised output directly; with more it writes an fp32 partial output and its
+// log-sum-exp (base 2) and merge_splits_kernel combines them. A request with kv_len 0 gets zeros.
 // q may be a strided view (token and head strides in elements, last dim contiguous); out is
 // contiguous [batch, num_q_heads, head_dim]. head_dim is a multiple of 8 and 16-byte aligned rows.
 #include "paged_attention.cuh"
@@ -16,7 +17,7 @@ paged_decode_kernel(const T* __restrict__ q, long long q_stride_tok, long long q
                     const int* __restrict__ kv_indptr, const int* __restrict__ page_indices,
                     const int* __restrict__ kv_lens, T* __restrict__ out,
                     float* __restrict__ out_part, float* __restrict__ lse_part, int num_q_heads,
-                    int num_kv_heads, int head_dim, int page_size, int split_len,
+                    int num_kv_heads, int head_dim, int page_size, int split_len, int window,
                     float scale_log2) {
   using namespace astrai;
   ASTRAI_DYNAMIC_SMEM(float, smem);
@@ -28,7 +29,7 @@ paged_decode_kernel(const T* __restrict__ q, long long q_stride_tok, long long q
   const AttnSmem s = carve_attn_smem(smem, group, head_dim);
 
   const int kv_len = kv_lens[b];
-  const int kv_begin = split * split_len;
+  const int kv_begin = max(0, kv_len - window) + split * split_len;
   const int kv_end = min(kv_len, kv_begin + split_len);
   const T* q_b = q + b * q_stride_tok;
   for (int i = threadIdx.x; i < group * head_dim; i += kAttnThreads) {
@@ -38,7 +39,7 @@ paged_decode_kernel(const T* __restrict__ q, long long q_stride_tok, long long q
   for (int r = threadIdx.x; r < group; r += kAttnThreads) s.limit[r] = kv_len - 1;
 
   attend_paged<T>(k_cache, v_cache, page_indices + kv_indptr[b], page_size, num_kv_heads,
-                  head_dim, kv_head, kv_begin, kv_end, group, s);
+                  head_dim, kv_head, kv_begin, kv_end, group, window, s);
 
   for (int i = threadIdx.x; i < group * head_dim; i += kAttnThreads) {
     const int r = i / head_dim;

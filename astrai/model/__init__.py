@@ -1,4 +1,4 @@
-"""The decoder shared by train and infer: config, RoPE, attention protocol, model, checkpoints.
+"""The decoder shared by train and infer: families, config, RoPE, attention protocol, model, checkpoints.
 
 Imports only torch, safetensors and json. See each module's docstring for its guarantees.
 Names are loaded from their module on first use (PEP 562): `astrai.model.config` (the presets a
@@ -10,7 +10,7 @@ import importlib
 _HOME = {
     **dict.fromkeys(("AttentionContext", "CausalContext", "causal_sdpa"), "attention"),
     **dict.fromkeys(("load_model", "read_config", "save_model"), "hf_checkpoint"),
-    **dict.fromkeys(("PRESETS", "ModelConfig"), "config"),
+    **dict.fromkeys(("FAMILIES", "PRESETS", "ModelConfig"), "config"),
     **dict.fromkeys(("Rotary", "apply_rotary", "inv_freq"), "rope"),
     **dict.fromkeys(("CausalLM", "load_balancing_loss"), "transformer"),
 }

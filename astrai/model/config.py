@@ -1,13 +1,25 @@
-"""The model's shape: one frozen dataclass that reads and writes Hugging Face's config.json.
+"""The model's shape: one frozen dataclass, and the decoder families it can describe.
 
-`ModelConfig.to_hf()` writes a dict that transformers reads as LlamaForCausalLM (dense) or
-MixtralForCausalLM (when num_local_experts > 0); `ModelConfig.from_hf(d)` reads either back, so a
-checkpoint a user already has (a Llama/Mistral/Qwen2-style Llama config, or Mixtral) loads here.
-Keys we do not model are ignored on read only when they do not change the computation; the ones
-that do (attention/MLP biases, sliding windows, other activations) raise, rather than loading a
-model that silently computes something else.
+A family is what Hugging Face calls the model type (config.json `model_type`): it fixes the
+architecture name written back (a Qwen2 saved by astrai is a Qwen2ForCausalLM) and the traits that
+are not config keys but code in transformers' modelling files:
 
-Presets (`ModelConfig.preset("tiny")`) are named shapes for tests, benchmarks and recipes.
+    llama        LlamaForCausalLM      RMSNorm, RoPE, SwiGLU, GQA; optional q/k/v/o and MLP biases
+    mistral      MistralForCausalLM    + a sliding window on every layer
+    qwen2        Qwen2ForCausalLM      + q/k/v biases (o_proj none); windows on layers >= max_window_layers
+    qwen3        Qwen3ForCausalLM      + RMSNorm over head_dim on q and k before RoPE
+    gemma3_text  Gemma3ForCausalLM     q/k norms; (1+w) RMSNorm in float32; embeddings times
+                                       sqrt(hidden) (rounded to the activation dtype); GELU-tanh gating;
+                                       norms before and after attention and MLP; softmax scale
+                                       query_pre_attn_scalar^-0.5; local (sliding) and global layers
+                                       with their own RoPE bases; optional final logit soft-capping
+    mixtral      MixtralForCausalLM    top-k softmax router (renormalised), experts w1/w2/w3
+    qwen3_moe    Qwen3MoeForCausalLM   q/k norms; router with optional renormalisation
+                                       (norm_topk_prob); dense MLP layers by mlp_only_layers /
+                                       decoder_sparse_step; experts gate/up/down_proj
+
+Reading and writing config.json is astrai.model.hf_config (ModelConfig.from_hf / to_hf). Presets
+(`ModelConfig.preset("tiny")`) are named shapes for tests, benchmarks and recipes.
 """
 
 from __future__ import annotations
@@ -16,12 +28,34 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-_ARCH_DENSE = "LlamaForCausalLM"
-_ARCH_MOE = "MixtralForCausalLM"
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str
+    qkv_bias: bool = False   # q/k/v projections always carry a bias, o_proj none (Qwen2)
+    qk_norm: bool = False    # RMSNorm over head_dim on q and k, before RoPE
+    gemma: bool = False      # Gemma's norms, embedding scale, sandwich norms and softmax scale
+    moe: Optional[str] = None  # expert layout: "mixtral" or "qwen3_moe"
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "gemma3_text": Family("Gemma3ForCausalLM", qk_norm=True, gemma=True),
+    "mixtral": Family("MixtralForCausalLM", moe="mixtral"),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, moe="qwen3_moe"),
+}
+ARCHITECTURES = {f.architecture: name for name, f in FAMILIES.items()}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    family: str = "llama"                  # FAMILIES key (HF model_type); llama with experts is mixtral
     vocab_size: int = 32000
     hidden_size: int = 512
     intermediate_size: int = 1376
@@ -29,90 +63,124 @@ class ModelConfig:
     num_attention_heads: int = 8
     num_key_value_heads: int = 8           # < num_attention_heads: grouped-query attention
     head_dim: Optional[int] = None         # None: hidden_size // num_attention_heads
+    hidden_act: str = "silu"               # the gated MLP's activation (ACTIVATIONS)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None    # None | {"rope_type": "linear"|"llama3", ...} as HF writes it
+    rope_scaling: Optional[dict] = None    # None | {"rope_type": "linear"|"llama3"|"yarn", ...} as HF writes it
+    local_rope: Optional[dict] = None      # sliding layers' own RoPE {"rope_theta", "rope_type", ...}; None: shared
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    attention_bias: bool = False           # biases on q/k/v/o (families other than qwen2/mistral/mixtral)
+    mlp_bias: bool = False                 # biases on gate/up/down (llama)
+    sliding_window: Optional[int] = None   # a query sees itself and the window - 1 tokens before it
+    layer_types: Optional[tuple] = None    # per layer FULL | SLIDING; None: every layer slides when windowed
+    query_pre_attn_scalar: Optional[float] = None  # softmax scale = this ** -0.5; None: head_dim ** -0.5
+    final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap)
     bos_token_id: Optional[int] = 1
     eos_token_id: Optional[Any] = 2        # int or list of ints (Llama 3 writes a list)
     pad_token_id: Optional[int] = None
-    # Mixture of experts (Mixtral layout); dense when num_local_experts == 0.
+    # Mixture of experts; dense when num_local_experts == 0.
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
+    moe_intermediate_size: Optional[int] = None  # an expert's width; None: intermediate_size
+    norm_topk_prob: bool = True            # renormalise the top-k router weights (always, in Mixtral)
+    decoder_sparse_step: int = 1           # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple = ()            # ... and i is not listed here (Qwen3-MoE)
     router_aux_loss_coef: float = 0.01
     initializer_range: float = 0.02
     extra: dict = field(default_factory=dict, compare=False)  # HF keys kept verbatim on round trip
 
     def __post_init__(self):
+        if self.family == "llama" and self.num_local_experts > 0:
+            object.__setattr__(self, "family", "mixtral")  # the Mixtral layout, as a Llama with experts
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family {self.family!r} is not one of {', '.join(FAMILIES)}")
         if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
+        if self.layer_types is not None:  # one spelling per meaning: None when no layer or every layer slides
+            types = tuple(self.layer_types)
+            plain = self.sliding_window is None or len(types) == self.num_hidden_layers and set(types) == {SLIDING}
+            object.__setattr__(self, "layer_types", None if plain else types)
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "decoder_sparse_step"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
+                                             or not set(self.layer_types) <= {FULL, SLIDING}):
+            raise ValueError(f"layer_types must list {FULL!r} or {SLIDING!r} for each of the "
+                             f"{self.num_hidden_layers} layers, got {list(self.layer_types)}")
+        if self.attention_bias and self.family in ("qwen2", "mistral", "mixtral"):
+            raise ValueError(f"attention_bias does not apply to the {self.family} family (its biases are fixed)")
+        if self.mlp_bias and self.family != "llama":
+            raise ValueError(f"mlp_bias applies to the llama family only, not {self.family}")
+        if self.traits.moe == "mixtral" and not self.is_moe:
+            raise ValueError("a mixtral model needs num_local_experts >= 1")
+        if self.is_moe and not self.traits.moe:
+            raise ValueError(f"the {self.family} family has no experts (num_local_experts must be 0)")
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_local_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_local_experts}")
+
+    # ---- derived ------------------------------------------------------------------------------
+
+    @property
+    def traits(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def architecture(self) -> str:
+        return self.traits.architecture
 
     @property
     def is_moe(self) -> bool:
         return self.num_local_experts > 0
 
-    # ---- Hugging Face config.json -------------------------------------------------------------
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_sparse_layer(self, i: int) -> bool:
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def is_sliding_layer(self, i: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[i] == SLIDING
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """The sliding window of layer i, or None for full causal attention."""
+        return self.sliding_window if self.is_sliding_layer(i) else None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.is_sliding_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def softmax_scale(self) -> Optional[float]:
+        """Every layer's softmax scale; None for the usual 1/sqrt(head_dim)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
+    # ---- Hugging Face config.json (astrai.model.hf_config) -------------------------------------
 
     def to_hf(self) -> dict:
-        d = dict(self.extra)
-        d.update({
-            "architectures": [_ARCH_MOE if self.is_moe else _ARCH_DENSE],
-            "model_type": "mixtral" if self.is_moe else "llama",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "attention_dropout": 0.0,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id, "initializer_range": self.initializer_range,
-            "torch_dtype": d.get("torch_dtype", "float32"),
-        })
-        if self.is_moe:
-            d.update({"num_local_experts": self.num_local_experts, "num_experts_per_tok": self.num_experts_per_tok,
-                      "router_aux_loss_coef": self.router_aux_loss_coef, "output_router_logits": False,
-                      "sliding_window": None})
-        else:
-            d.update({"mlp_bias": False, "pretraining_tp": 1})
-        return d
+        from astrai.model.hf_config import config_to_hf
+
+        return config_to_hf(self)
 
     @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
-        d = dict(d)
-        _refuse_unsupported(d)
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {k: d.pop(k) for k in list(d) if k in names}
-        # transformers 5 writes rope settings as rope_parameters={"rope_type", "rope_theta", ...}
-        params = d.pop("rope_parameters", None)
-        if params:
-            params = dict(params)
-            kwargs.setdefault("rope_theta", params.pop("rope_theta", cls.rope_theta))
-            if params.get("rope_type", "default") != "default":
-                kwargs["rope_scaling"] = params
-        scaling = kwargs.get("rope_scaling")
-        if scaling:
-            scaling = dict(scaling)
-            scaling.setdefault("rope_type", scaling.get("type"))
-            if scaling["rope_type"] == "default":
-                scaling = None
-            elif scaling["rope_type"] not in ("linear", "llama3"):
-                raise ValueError(f"rope_scaling type {scaling['rope_type']!r} is not supported (linear, llama3)")
-            kwargs["rope_scaling"] = scaling
-        if not kwargs.get("num_local_experts"):  # a dense config (None or 0 experts)
-            kwargs.pop("num_local_experts", None)
-            kwargs.pop("num_experts_per_tok", None)
-        keep = {k: v for k, v in d.items() if k in _KEPT_HF_KEYS}
-        return cls(**kwargs, extra=keep)
+    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        from astrai.model.hf_config import config_from_hf
+
+        return config_from_hf(d, source)
 
     # ---- presets -----------------------------------------------------------------------------
 
@@ -124,28 +192,6 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
-
-
-# HF keys that carry no computation but that users expect to survive a load/save round trip.
-_KEPT_HF_KEYS = {"torch_dtype", "dtype", "transformers_version", "use_cache"}
-
-
-def _refuse_unsupported(d: dict):
-    problems = []
-    if d.get("attention_bias"):
-        problems.append("attention_bias=true")
-    if d.get("mlp_bias"):
-        problems.append("mlp_bias=true")
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        problems.append(f"hidden_act={act!r} (only silu/SwiGLU)")
-    if d.get("sliding_window") and d.get("use_sliding_window", True) and d.get("model_type") != "mixtral":
-        problems.append("sliding_window attention")
-    if d.get("sliding_window") and d.get("model_type") == "mixtral" and \
-            d["sliding_window"] < d.get("max_position_embeddings", 0):
-        problems.append(f"sliding_window={d['sliding_window']} shorter than the context")
-    if problems:
-        raise ValueError("this config.json asks for what astrai's model does not compute: " + ", ".join(problems))
 
 
 # Named shapes. tiny: unit tests (fast on 2 CPU cores); small/base: the benchmark shapes (bench/train.py).

@@ -1,12 +1,19 @@
 """Model checkpoints as Hugging Face writes them: config.json + model.safetensors (or shards).
 
-`save_model(model, dir[, state])` writes config.json and model.safetensors (from `state` when the
-full state dict was gathered from a sharded model), each under a temporary name and
-renamed, so a kill mid-save leaves the previous files or none, never a torn one. A tied LM head is
-stored once (as embed_tokens, like HF). `load_model(dir, dtype=...)` reads a single file or a
-sharded checkpoint with model.safetensors.index.json, in our layout or in transformers 5's fused
-MoE layout (experts.gate_up_proj / experts.down_proj), builds the model on the meta device and
-assigns the tensors, so nothing is initialised twice and a model is held in memory once.
+`save_model(model, dir[, state])` writes config.json (the family's own architecture and keys,
+astrai.model.hf_config) and model.safetensors (from `state` when the full state dict was gathered
+from a sharded model), each under a temporary name and renamed, so a kill mid-save leaves the
+previous files or none, never a torn one. A tied LM head is stored once (as embed_tokens, like HF).
+
+`load_model(dir, dtype=...)` treats the directory as untrusted input and checks, in this order and
+before allocating anything: config.json's values (astrai.model.hf_config), the safetensors headers
+(astrai.model.checkpoint_files: regular files only, lengths, offsets, an index that stays inside the
+directory, no pickle ever opened), the tensors against what the config implies (layer count,
+missing / unexpected names, shapes, dtypes: astrai.model.weights), and the weights' size against
+the machine's available memory. Then it builds the model on the meta device and assigns the
+tensors (each checked finite), so nothing is initialised twice and a model is held in memory once.
+It reads a single file or a sharded checkpoint, in the family's layout or transformers 5's fused
+MoE layout. Every refusal is one ModelFileError naming the file and the key or tensor.
 """
 
 from __future__ import annotations
@@ -17,16 +24,20 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from astrai.errors import ModelFileError
+from astrai.model.checkpoint_files import CONFIG, INDEX, WEIGHTS, read_headers, read_json
 from astrai.model.config import ModelConfig
 from astrai.model.transformer import CausalLM
+from astrai.model.weights import (IGNORED_SUFFIXES, available_memory, check_tensors, nonfinite, split_tensor,
+                                  torch_dtype, unfuse_experts)
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.float64: "float64"}
+
+__all__ = ["CONFIG", "INDEX", "WEIGHTS", "load_model", "model_state", "read_config", "read_tensors", "save_model"]
 
 
 def _tmp(path: Path) -> Path:
@@ -60,6 +71,8 @@ def save_model(model: CausalLM, directory: Union[str, os.PathLike], state: Optio
     (out / INDEX).unlink(missing_ok=True)  # a stale shard index would shadow the single file
     hf = model.config.to_hf()
     hf["torch_dtype"] = _DTYPE_NAMES.get(dtype, "float32")
+    if "dtype" in hf:
+        hf["dtype"] = hf["torch_dtype"]
     cfg = out / CONFIG
     _tmp(cfg).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     _fsync_replace(_tmp(cfg), cfg)
@@ -67,69 +80,65 @@ def save_model(model: CausalLM, directory: Union[str, os.PathLike], state: Optio
 
 
 def read_config(directory: Union[str, os.PathLike]) -> ModelConfig:
-    path = Path(directory) / CONFIG
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face model directory")
-    return ModelConfig.from_hf(json.loads(path.read_text()))
+    d = Path(directory)
+    if not d.is_dir():
+        raise ModelFileError(f"{d}: not a checkpoint directory (config.json + model.safetensors)")
+    if not (d / CONFIG).exists():
+        raise ModelFileError(f"{d / CONFIG}: no config.json; expected a Hugging Face model directory")
+    return ModelConfig.from_hf(read_json(d / CONFIG, "config.json"), str(d / CONFIG))
+
+
+def _read(headers: dict, keep=lambda name: True) -> dict[str, torch.Tensor]:
+    """The tensors of already-checked headers, read file by file."""
+    by_file: dict[Path, list[str]] = {}
+    for name, info in headers.items():
+        if keep(name):
+            by_file.setdefault(info.file, []).append(name)
+    out = {}
+    for path, names in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    out[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelFileError(f"{path}: cannot read its tensors: {e}") from None
+    return out
 
 
 def read_tensors(directory: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
-    d = Path(directory)
-    if (d / INDEX).exists():
-        files = sorted(set(json.loads((d / INDEX).read_text())["weight_map"].values()))
-    elif (d / WEIGHTS).exists():
-        files = [WEIGHTS]
-    else:
-        raise FileNotFoundError(f"{d}: neither {WEIGHTS} nor {INDEX}")
-    tensors = {}
-    for name in files:
-        with safe_open(str(d / name), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-    return tensors
-
-
-def _unfuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers 5 may store Mixtral experts fused: mlp.experts.gate_up_proj [E, 2I, H] and
-    mlp.experts.down_proj [E, H, I]; ours are per expert under block_sparse_moe (the Hub layout)."""
-    out = {}
-    for key, t in sd.items():
-        if key.endswith(".mlp.experts.gate_up_proj"):
-            base = key[: -len(".mlp.experts.gate_up_proj")] + ".block_sparse_moe.experts"
-            gate, up = t.chunk(2, dim=1)
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate[e], up[e]
-        elif key.endswith(".mlp.experts.down_proj"):
-            base = key[: -len(".mlp.experts.down_proj")] + ".block_sparse_moe.experts"
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.w2.weight"] = t[e]
-        elif ".mlp.gate.weight" in key and "block_sparse_moe" not in key and "experts" not in key:
-            out[key.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")] = t
-        else:
-            out[key] = t
-    return out
+    """Every tensor of a checkpoint directory, as stored (the files checked first)."""
+    return _read(read_headers(directory))
 
 
 def load_model(directory: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
                device: Union[str, torch.device] = "cpu") -> CausalLM:
-    """A CausalLM from an HF-style directory. dtype None keeps the stored dtype."""
+    """A CausalLM from an HF-style directory. dtype None keeps the stored dtype (float32 when mixed)."""
+    source = str(directory)
     config = read_config(directory)
-    sd = read_tensors(directory)
-    if config.is_moe:
-        sd = _unfuse_experts(sd)
-    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
+    headers = read_headers(directory)
+    check_tensors(config, headers, source)
+    stored = {torch_dtype(i.dtype) for i in headers.values()}
+    dtype = dtype or (stored.pop() if len(stored) == 1 else torch.float32)
+    need = sum(i.numel for i in headers.values()) * torch.empty((), dtype=dtype).element_size()
+    have = available_memory()
+    if have is not None and need > have:
+        raise ModelFileError(f"{source}: the weights need {need / 2 ** 30:,.1f} GiB as {str(dtype)[6:]} but the "
+                             f"machine has {have / 2 ** 30:,.1f} GiB available")
+    tied = config.tie_word_embeddings
+    sd = _read(headers, lambda n: not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight"))
+    sd = unfuse_experts(sd, config, split_tensor)
+    for name, t in sd.items():
+        if nonfinite(t):
+            raise ModelFileError(f"{headers.get(name, next(iter(headers.values()))).file}: tensor {name!r} holds "
+                                 f"NaN or infinite values")
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = set(model_state_names(model))
-    missing, unexpected = expected - set(sd), set(sd) - expected
-    if missing or unexpected:
-        raise ValueError(f"{directory}: checkpoint does not match its config.json: "
-                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    sd = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in sd.items()}
-    model.load_state_dict(sd, strict=False, assign=True)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    model.load_state_dict(sd, strict=False, assign=True)  # names already checked (a tied head is absent)
     model.tie_weights()
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ModelFileError(f"{source}: no weights were read for {left[:4]}")
     return model
 
 

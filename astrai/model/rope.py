@@ -1,34 +1,49 @@
-"""Rotary position embeddings (RoPE), the same numbers as Hugging Face's Llama.
+"""Rotary position embeddings (RoPE), the same numbers as Hugging Face's.
 
-`inv_freq(config)` gives the inverse frequencies with the scaling HF calls "default", "linear"
-(positions divided by a factor) and "llama3" (low frequencies divided by the factor, high ones
-kept, a smooth ramp between). `Rotary` holds a float32 cos/sin table indexed by position id, grown
-on demand; the table is computed as HF computes cos/sin on the fly (float32 position x inv_freq),
-so gathering from it gives bit-identical values. `apply_rotary` uses HF's half-split layout
-(rotate_half), not the interleaved pairs of the original paper: checkpoints stay interchangeable.
+`rope_frequencies(head_dim, theta, scaling, max_positions)` gives the inverse frequencies and the
+cos/sin factor for the scalings HF calls "default", "linear" (positions divided by a factor),
+"llama3" (low frequencies divided by the factor, high ones kept, a smooth ramp between) and "yarn"
+(a ramp between interpolated and extrapolated frequencies by rotation count, and cos/sin scaled by
+an attention factor). `Rotary` holds a float32 cos/sin table indexed by position id, grown on
+demand; the table is computed as HF computes cos/sin on the fly (float32 position x inv_freq, then
+times the attention factor), so gathering from it gives bit-identical values. `apply_rotary` uses
+HF's half-split layout (rotate_half), not the interleaved pairs of the original paper: checkpoints
+stay interchangeable. A model holds one Rotary per distinct RoPE (Gemma 3's local layers have their
+own base).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
-from astrai.model.config import ModelConfig
+# positions tabled up front; more are added on demand (a 128k-context config does not cost 128k rows)
+INITIAL_POSITIONS = 4096
 
 
-def inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = config.rope_scaling or {}
+def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
+                     max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, attention factor applied to cos and sin)."""
+    dim = head_dim
+    freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
-        return freq / scaling["factor"]
+        return freq / scaling["factor"], 1.0
     if kind == "llama3":
-        return _llama3(freq, scaling)
+        return _llama3(freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(dim, theta, scaling, max_positions)
     if kind != "default":
-        raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
-    return freq
+        raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3, yarn)")
+    return freq, 1.0
+
+
+def inv_freq(config) -> torch.Tensor:
+    """The global (full-attention layers') inverse frequencies of a ModelConfig."""
+    return rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)[0]
 
 
 def _llama3(freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -44,23 +59,59 @@ def _llama3(freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn(dim: int, theta: float, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    old_len = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_positions / old_len
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # share of each dimension taken from the extrapolated (unscaled) frequency
+    return interpolation * (1 - keep) + extrapolation * keep, attention
+
+
 class Rotary:
-    """cos/sin tables [positions, head_dim] in float32, shared by every layer of a model.
+    """cos/sin tables [positions, head_dim] in float32.
 
     Not an nn.Module buffer on purpose: `model.to(torch.bfloat16)` must not round the table (HF
     keeps rotary math in float32 too); the table follows the device of the positions it is asked for.
     """
 
-    def __init__(self, config: ModelConfig):
-        self.inv_freq = inv_freq(config)
-        self._cos = self._sin = torch.empty(0, config.head_dim)
-        self._grow(config.max_position_embeddings, torch.device("cpu"))
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_positions: int):
+        self.inv_freq, self.attention_factor = rope_frequencies(head_dim, theta, scaling, max_positions)
+        self._cos = self._sin = torch.empty(0, head_dim)
+        self._grow(min(max_positions, INITIAL_POSITIONS), torch.device("cpu"))
 
     def _grow(self, n: int, device: torch.device):
         pos = torch.arange(n, dtype=torch.int64, device=device).float()
         freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos, self._sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            self._cos, self._sin = self._cos * self.attention_factor, self._sin * self.attention_factor
+
+    def reserve(self, n: int):
+        """Table at least n positions now (fused kernels index the table without a bounds check)."""
+        if n > self._cos.shape[0]:
+            self._grow(n, self._cos.device)
 
     def cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] (float32) for flat position ids [T]."""

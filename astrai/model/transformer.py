@@ -1,21 +1,25 @@
-"""The decoder: Llama-style (RMSNorm, RoPE, SwiGLU, grouped-query attention), optionally Mixtral MoE.
+"""The decoder of every family (astrai.model.config): layers from astrai.model.layers, stacked.
 
 Parameter names are Hugging Face's (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ...,
-model.layers.{i}.block_sparse_moe.experts.{e}.w1 for MoE, lm_head), so `state_dict()` is a
-LlamaForCausalLM / MixtralForCausalLM checkpoint as it is written on disk. Each op follows HF's
-numerics (RMSNorm in float32, routing softmax in float32, top-k weights renormalised), so
-logits match transformers to float32 rounding.
+model.layers.{i}.block_sparse_moe.experts.{e}.w1 for Mixtral, model.layers.{i}.mlp.experts.{e}.gate_proj
+for Qwen3-MoE, lm_head), so `state_dict()` is the family's checkpoint as it is written on disk.
+Each op follows HF's numerics (norms in float32, routing softmax in float32, Gemma's embedding scale
+rounded to the activation dtype), so logits match transformers to float32 rounding.
+
+A layer is `x + attn(norm(x))` then `x + mlp(norm(x))`; Gemma also normalises each branch's output
+(post_attention_layernorm on the attention output, pre/post_feedforward_layernorm around the MLP).
+Sliding layers use the local RoPE when the family has one (Gemma 3), the global one otherwise.
 
 The model sees flattened tokens: `forward(input_ids [T], position_ids [T], ctx) -> hidden [T, H]`;
 attention is delegated to `ctx` (astrai.model.attention). `logits(hidden)` is separate so a loss
-can run the LM head in chunks and never hold [T, vocab]. With `return_aux=True`, forward also
-returns the MoE load-balancing loss (unweighted, Switch/Mixtral formula over all layers' tokens;
-None for a dense model); the caller weights it with `config.router_aux_loss_coef`.
+can run the LM head in chunks and never hold [T, vocab]; it applies the final soft-capping when the
+config has one (`cap_logits` for a caller that multiplies by the head itself). With
+`return_aux=True`, forward also returns the MoE load-balancing loss (unweighted, Switch/Mixtral
+formula over all sparse layers' tokens; None for a dense model); the caller weights it with
+`config.router_aux_loss_coef`.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -24,119 +28,42 @@ from torch.utils.checkpoint import checkpoint
 
 from astrai.model.attention import AttentionContext
 from astrai.model.config import ModelConfig
+from astrai.model.layers import MLP, Attention, RMSNorm, SparseMoE, acc_dtype, at_least_float32, embed_scale
 from astrai.model.rope import Rotary
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What norms, softmaxes and losses accumulate in: float32, or float64 in a float64 run (exactness checks)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(acc_dtype(x.dtype))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = at_least_float32(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.hq * self.d, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.hq * self.d, c.hidden_size, bias=False)
-
-    def forward(self, x, position_ids, ctx: AttentionContext, rope: Rotary):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.hq, self.d)
-        k = self.k_proj(x).view(t, self.hkv, self.d)
-        v = self.v_proj(x).view(t, self.hkv, self.d)
-        q, k = ctx.rotary(q, k, position_ids, rope)
-        o = ctx.attend(self.layer_idx, q, k, v)
-        return self.o_proj(o.reshape(t, self.hq * self.d))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Expert(nn.Module):
-    """One Mixtral expert: w1 = gate, w3 = up, w2 = down (Mixtral's checkpoint names)."""
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.w1 = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.w3 = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class SparseMoE(nn.Module):
-    """Top-k routed experts. Returns (output, router_logits [T, E]) for the load-balancing loss."""
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.top_k, self.n = c.num_experts_per_tok, c.num_local_experts
-        self.gate = nn.Linear(c.hidden_size, self.n, bias=False)
-        self.experts = nn.ModuleList(Expert(c) for _ in range(self.n))
-
-    def forward(self, x):
-        logits = self.gate(x)
-        probs = torch.softmax(at_least_float32(logits), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)  # renormalised over the chosen experts
-        out = torch.zeros_like(x)
-        # one matmul per expert over the tokens routed to it (grouped, not one per token)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(chosen == e)
-            if token.numel() == 0 and not self.training:
-                continue
-            y = expert(x[token]) * weights[token, slot, None]
-            out = out.index_add(0, token, y.to(out.dtype))
-        return out, logits
+__all__ = ["CausalLM", "DecoderLayer", "acc_dtype", "at_least_float32", "load_balancing_loss"]
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, layer_idx: int):
         super().__init__()
+        self.gemma = c.traits.gemma
         self.self_attn = Attention(c, layer_idx)
-        if c.is_moe:
+        if c.is_sparse_layer(layer_idx) and c.traits.moe == "mixtral":
             self.block_sparse_moe = SparseMoE(c)
+        elif c.is_sparse_layer(layer_idx):
+            self.mlp = SparseMoE(c)
         else:
-            self.mlp = MLP(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
+        norm = dict(eps=c.rms_norm_eps, offset=self.gemma)
+        self.input_layernorm = RMSNorm(c.hidden_size, **norm)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, **norm)
+        if self.gemma:
+            self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, **norm)
+            self.post_feedforward_layernorm = RMSNorm(c.hidden_size, **norm)
+
+    def _ffn(self, h):
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return ffn(h) if isinstance(ffn, SparseMoE) else (ffn(h), None)
 
     def forward(self, x, position_ids, ctx, rope):
-        x = x + self.self_attn(self.input_layernorm(x), position_ids, ctx, rope)
-        h = self.post_attention_layernorm(x)
-        if hasattr(self, "mlp"):
-            return x + self.mlp(h), None
-        y, router_logits = self.block_sparse_moe(h)
+        a = self.self_attn(self.input_layernorm(x), position_ids, ctx, rope)
+        if self.gemma:
+            x = x + self.post_attention_layernorm(a)
+            y, router_logits = self._ffn(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(y), router_logits
+        x = x + a
+        y, router_logits = self._ffn(self.post_attention_layernorm(x))
         return x + y, router_logits
 
 
@@ -145,16 +72,21 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.traits.gemma)
 
 
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.config = config
+        c = self.config = config
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope = Rotary(config)
+        self.rope = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        local = c.local_rope
+        self.rope_local = self.rope if local is None else Rotary(
+            c.head_dim, local["rope_theta"], None if local.get("rope_type", "default") == "default" else local,
+            c.max_position_embeddings)
+        self.layer_ropes = [self.rope_local if c.is_sliding_layer(i) else self.rope for i in range(c.num_hidden_layers)]
         self.gradient_checkpointing = False  # recompute each layer in backward (activation memory ~ 1 layer)
         self.tie_weights()
         if not any(p.is_meta for p in self.parameters()):
@@ -166,23 +98,34 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """HF's init: normal(0, initializer_range) for linear and embedding weights, norms at 1."""
+        """HF's init: normal(0, initializer_range) for linear and embedding weights, zero biases, norms at
+        1 (Gemma's (1 + w) norms at 0)."""
         std = self.config.initializer_range
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 m.weight.normal_(0.0, std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
             elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+                m.reset_parameters()
+
+    def reserve_positions(self, n: int):
+        """RoPE tables for positions < n now (for kernels that read the tables without bounds checks)."""
+        for rope in {id(r): r for r in self.layer_ropes + [self.rope]}.values():
+            rope.reserve(n)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext,
                 return_aux: bool = False):
         x = self.model.embed_tokens(input_ids)
+        scale = embed_scale(self.config, x.dtype)
+        if scale is not None:
+            x = x * scale.to(x.device)
         router_logits = []
-        for layer in self.model.layers:
+        for layer, rope in zip(self.model.layers, self.layer_ropes):
             if self.gradient_checkpointing and self.training:
-                x, r = checkpoint(layer, x, position_ids, ctx, self.rope, use_reentrant=False)
+                x, r = checkpoint(layer, x, position_ids, ctx, rope, use_reentrant=False)
             else:
-                x, r = layer(x, position_ids, ctx, self.rope)
+                x, r = layer(x, position_ids, ctx, rope)
             if r is not None:
                 router_logits.append(r)
         hidden = self.model.norm(x)
@@ -190,8 +133,15 @@ class CausalLM(nn.Module):
             return hidden
         return hidden, (load_balancing_loss(router_logits, self.config) if router_logits else None)
 
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Final logit soft-capping (Gemma): cap * tanh(logits / cap), as HF orders it; identity without one."""
+        cap = self.config.final_logit_softcapping
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.cap_logits(self.lm_head(hidden))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -50,8 +50,9 @@ def _train_kind() -> StageKind:
         "train", TrainStageOptions, run_train_stage, produces="model",
         refs={"data": ("data",), "val_data": ("data",), "model": ("model",)}, path_refs=frozenset({"model"}),
         literals={"model": tuple(PRESETS)},
-        code=("astrai.train", "astrai.model", "astrai.recipe.train_stage"), describe=describe_train,
-        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop"),
+        code=("astrai.train", "astrai.model", "astrai.rl", "astrai.recipe.train_stage"), describe=describe_train,
+        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop", "reward_first",
+                                    "reward_last"),
         stamped=("final",), unstamped=("eval.json",), growable=GROWABLE, continues=continues_train)
 
 

@@ -73,6 +73,7 @@ def run(args) -> int:
 
     try:
         recipe, kinds = load_recipe_spec(args.recipe, tuple(args.overrides))
+        args.output = str(recipe.run_dir)  # named by astrai.cli.main when the disk fills up there
         Runner(recipe, kinds).run(from_stage=args.from_stage, only=args.only, force=args.force)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

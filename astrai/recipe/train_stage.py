@@ -52,7 +52,8 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
     problems = []
     data = upstream.get("data") or {}
     kind = data.get("data_kind")
-    if kind is not None and kind not in STRATEGY_DATA[options.strategy]:
+    online = options.rollout is not None  # online grpo trains on prompts: single-output rows
+    if kind is not None and kind not in (("labels", "text") if online else STRATEGY_DATA[options.strategy]):
         fix = {"text": "use strategy: seq for plain text, or a pipeline with mask rules",
                "dpo": "use strategy: dpo", "grpo": "use strategy: grpo",
                "labels": "use strategy: sft (or a pipeline with sources for dpo/grpo)"}[kind]
@@ -107,11 +108,17 @@ def run_train_stage(ctx) -> dict:
         fields["model"] = str(continued_from(Path(ctx.inputs["model"])))
     options = TrainOptions(**fields, data=str(train_dir), output=str(ctx.output),
                            val_data=str(val_dir) if val_dir else None)
+    options = options.with_reward_files_under(ctx.base_dir)
     metrics_file = ctx.output / "metrics.jsonl"
     callbacks = [_InitialValidation(metrics_file)] if val_dir else []
     ctx.log(f"training {options.model} ({options.strategy}) on {train_dir}" + (f", validating on {val_dir}"
                                                                                  if val_dir else ""))
-    result = run_train(options, callbacks=callbacks)
+    if options.rollout is not None:
+        from astrai.rl.online import run_online_grpo
+
+        result = run_online_grpo(options, callbacks=callbacks)
+    else:
+        result = run_train(options, callbacks=callbacks)
     if result.get("stopped") is not None:
         # a signal stopped training after a checkpoint: not done; `astrai run` again resumes it
         raise KeyboardInterrupt(f"training stopped by signal {result['stopped']} at step {result['steps']}")
@@ -130,12 +137,14 @@ def continued_from(model: Path) -> Path:
 
 
 def train_metrics(result: dict, metrics_file: Path) -> dict:
-    train, val = [], []
+    train, val, reward = [], [], []
     if metrics_file.exists():
         for line in metrics_file.read_text().splitlines():
             rec = json.loads(line)
             if rec.get("loss") is not None:
                 train.append([rec["step"], rec["loss"]])
+            if rec.get("reward_mean") is not None:  # online grpo: the mean reward of the step's completions
+                reward.append([rec["step"], rec["reward_mean"]])
             if rec.get("val_loss") is not None:
                 val.append([rec["step"], rec["val_loss"]])
     # a resumed run may have logged a step twice (after its last checkpoint): keep the latest record
@@ -148,6 +157,13 @@ def train_metrics(result: dict, metrics_file: Path) -> dict:
         out["val_loss"] = val[-1][1]
         out["val_loss_drop"] = val[0][1] - val[-1][1]
     out["loss_curve"] = {"train": [list(p) for p in train], "val": [list(p) for p in val]}
+    reward = sorted({s: v for s, v in reward}.items())
+    if reward:
+        fifth = max(1, len(reward) // 5)  # the mean reward of the first and the last 20% of the steps
+        out["reward_first"] = sum(v for _, v in reward[:fifth]) / fifth
+        out["reward_last"] = sum(v for _, v in reward[-fifth:]) / fifth
+        out["reward_rise"] = out["reward_last"] - out["reward_first"]
+        out["loss_curve"]["reward"] = [list(p) for p in reward]
     return out
 
 

@@ -7,6 +7,9 @@
   which is exactly how a template section is tokenized in preprocessing;
 - a list of ints is taken as token ids.
 
+`prompt_problem` says why something is none of these (a number, null, a message without role or
+content), so a file of prompts is checked line by line before any work; shared with the server.
+
 `end_of_turn_id` finds the special token a template closes an assistant turn with (ChatML's
 <|im_end|>), the token SFT trains the model to emit, so chat generation stops there even when the
 tokenizer's EOS is a different token.
@@ -16,9 +19,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-import jinja2
-
-from astrai.text.template import ChatTemplate, TemplateRaised, resolve_template
+from astrai.errors import InvalidRequest
+from astrai.text.template import ChatTemplate, TemplateLimit, TemplateRaised, resolve_template
 from astrai.text.tokenizer import Tokenizer
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
@@ -38,21 +40,70 @@ def chat_template_for(tokenizer: Tokenizer, spec: Optional[str] = None) -> Optio
     return None
 
 
+def prompt_problem(prompt) -> Optional[str]:
+    """Why `prompt` is not text, a conversation or token ids (None when it is one): what a person
+    reads after the file:line or request it came from."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, (list, tuple)):
+        got = "null" if prompt is None else type(prompt).__name__
+        return f"a prompt is text, a list of messages ({{role, content}}) or a list of token ids, not {got}"
+    if not prompt:
+        return "the prompt is an empty list: give text, messages or token ids"
+    if isinstance(prompt[0], dict):
+        for i, m in enumerate(prompt):
+            problem = _message_problem(m)
+            if problem:
+                return f"messages[{i}]: {problem}"
+        return None
+    for i, t in enumerate(prompt):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            return (f"token ids must be integers >= 0, but item {i} is {t!r}" if not isinstance(t, dict) else
+                    f"item {i} is a message but item 0 is not: a prompt is all messages or all token ids")
+    return None
+
+
+def _message_problem(m) -> Optional[str]:
+    if not isinstance(m, dict):
+        return f"a message is an object with role and content, not {type(m).__name__}"
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str) or not role:
+        return "no role (each message needs \"role\": system, user, assistant ...)" if role is None else \
+            f"role must be text, not {type(role).__name__}"
+    if content is None and not m.get("tool_calls"):
+        return f"({role}) has no content"
+    if content is not None and not isinstance(content, (str, list)):
+        return f"({role}) content must be text (or a list of content parts), not {type(content).__name__}"
+    return None
+
+
 def encode_prompt(prompt: Prompt, tokenizer: Optional[Tokenizer], template: Optional[ChatTemplate]) -> list[int]:
+    """Token ids of a prompt. A prompt that is not one, or a conversation the template refuses or
+    fails on, raises InvalidRequest (a TemplateLimit, the template's own fault, passes as it is)."""
+    problem = prompt_problem(prompt)
+    if problem:
+        raise InvalidRequest(problem)
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            raise InvalidRequest("a text prompt needs a tokenizer (the checkpoint has no tokenizer.json); pass token "
+                                 "ids instead")
         return tokenizer.tok.encode(prompt).ids
     if is_chat(prompt):
         if tokenizer is None or template is None:
-            raise ValueError("a chat conversation needs a tokenizer and a chat template (the tokenizer has none: "
-                             "pass chat_template, e.g. 'chatml')")
-        text = template.render(list(prompt), add_generation_prompt=True, special_tokens=tokenizer.special_tokens_map)
+            raise InvalidRequest("a chat conversation needs a tokenizer and a chat template (the tokenizer has none: "
+                                 "pass chat_template, e.g. --chat-template chatml)")
+        try:
+            text = template.render(list(prompt), add_generation_prompt=True,
+                                   special_tokens=tokenizer.special_tokens_map)
+        except TemplateLimit:
+            raise
+        except TemplateRaised as e:
+            raise InvalidRequest(f"the chat template {template.name} refuses this conversation: {e}") from None
+        except Exception as e:  # jinja2 errors, and Python errors of the template's code (a missing key ...)
+            raise InvalidRequest(f"the chat template {template.name} failed on this conversation: "
+                                 f"{type(e).__name__}: {e}") from None
         return tokenizer.tok.encode(text, add_special_tokens=False).ids
-    ids = [int(t) for t in prompt]
-    if not ids:
-        raise ValueError("empty prompt: give at least one token")
-    return ids
+    return [int(t) for t in prompt]
 
 
 def end_of_turn_id(tokenizer: Tokenizer, template: ChatTemplate) -> Optional[int]:
@@ -60,7 +111,9 @@ def end_of_turn_id(tokenizer: Tokenizer, template: ChatTemplate) -> Optional[int
     msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
     try:
         text = template.render(msgs, special_tokens=tokenizer.special_tokens_map)
-    except (TemplateRaised, jinja2.TemplateError):  # refuses the probe: no end-of-turn we can find
+    except TemplateLimit:
+        raise
+    except Exception:  # refuses or fails on the probe (raise_exception, a key it needs): no end-of-turn found
         return None
     at = text.find(_PROBE)
     if at < 0:

@@ -22,7 +22,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
-from astrai.errors import InputError
+from astrai.errors import InputError, read_text_regular
+from astrai.text.sandbox import (TemplateLimit, bounded_environment_class, bounded_filters, check_size, render_bounded,
+                                 weight)
+
+__all__ = ["ChatTemplate", "TemplateLimit", "TemplateRaised", "resolve_template", "bundled_templates"]
+MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file (real ones are a few KB)
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates"  # package data: ships in the wheel
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -36,7 +41,6 @@ def _make_environment():
     import jinja2
     import jinja2.ext
     import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationBlock(jinja2.ext.Extension):
         # `{% generation %}...{% endgeneration %}` renders its body unchanged.
@@ -70,6 +74,7 @@ def _make_environment():
 
         def __setitem__(self, name, value):
             SafeNamespace._check(name)
+            check_size(weight(value), f"namespace value {name!r}")
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
         @staticmethod
@@ -84,9 +89,9 @@ def _make_environment():
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
+    env = bounded_environment_class()(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters.update(bounded_filters({"tojson": tojson}))
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = SafeDict()
@@ -122,6 +127,8 @@ class ChatTemplate:
         self.name = name
         try:
             self._compiled = _compile(source)
+        except TemplateLimit as e:  # a constant expression folded at compile time went past a bound
+            raise TemplateLimit(f"chat template {name}: {e}") from None
         except Exception as e:  # jinja2.TemplateSyntaxError: report where
             line = getattr(e, "lineno", None)
             raise InputError(f"chat template {name}" + (f":{line}" if line else "") + f": {e}") from None
@@ -130,8 +137,9 @@ class ChatTemplate:
                special_tokens: Optional[dict] = None, **kwargs: Any) -> str:
         """Render like apply_chat_template(messages, tokenize=False, ...). Raises TemplateRaised."""
         variables = {**(special_tokens or {}), **kwargs}
-        return self._compiled.render(messages=normalize_messages(messages), tools=tools, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **variables)
+        return render_bounded(self._compiled, self.name, dict(
+            variables, messages=normalize_messages(messages), tools=tools, documents=None,
+            add_generation_prompt=add_generation_prompt))
 
 
 def bundled_templates() -> dict[str, Path]:
@@ -156,6 +164,6 @@ def resolve_template(spec: str, tokenizer=None, base_dir: Optional[str | Path] =
     if not path.exists() and (TEMPLATE_DIR.parent / spec).exists():  # e.g. templates/chatml.jinja
         path = TEMPLATE_DIR.parent / spec
     if path.exists():
-        return ChatTemplate(path.read_text(encoding="utf-8"), str(path))
+        return ChatTemplate(read_text_regular(path, "chat_template", MAX_TEMPLATE_BYTES), str(path))
     raise InputError(f"chat_template '{spec}': not 'tokenizer', not a bundled template "
                      f"({', '.join(bundled)}) and no such file {path}")

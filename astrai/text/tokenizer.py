@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Optional
 
 from astrai.config.pipeline import package_spec_problem
-from astrai.errors import InputError
+from astrai.errors import InputError, read_bytes_regular, read_text_regular
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+MAX_TOKENIZER_BYTES = 1 << 30  # tokenizer.json (the largest real ones are tens of MB)
+MAX_CONFIG_BYTES = 64 << 20  # tokenizer_config.json, special_tokens_map.json, chat_template.jinja
 
 
 def _content(tok) -> Optional[str]:
@@ -109,7 +111,10 @@ class Tokenizer:
         return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
 
 
-def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> Tokenizer:
+def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None, added_tokens=()) -> Tokenizer:
+    """The tokenizer directory `spec` names, as transformers loads it, plus `added_tokens` (a
+    pipeline's) as special tokens where missing: the same tokenizer as with_added_tokens gives, without
+    its copy (serializing and re-parsing a 129k vocabulary costs more than loading it)."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -119,15 +124,20 @@ def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> T
     tj = path / "tokenizer.json"
     if not path.exists():
         raise InputError(f"tokenizer '{spec}': directory {path} does not exist")
+    if not path.is_dir():
+        raise InputError(f"tokenizer '{spec}': {path} is not a directory (give the directory holding tokenizer.json)")
     if not tj.exists():
         raise InputError(f"tokenizer '{spec}': {tj} not found (a Hugging Face tokenizer directory needs tokenizer.json)")
     try:
-        tok = HFTokenizer.from_file(str(tj))
+        tok = HFTokenizer.from_str(read_text_regular(tj, "tokenizer file", MAX_TOKENIZER_BYTES))
+    except InputError:
+        raise
     except Exception as e:  # the tokenizers error text is the useful part
         raise InputError(f"tokenizer '{spec}': cannot load {tj}: {e}") from None
 
     config = _read_json(path / "tokenizer_config.json")
     stmap_file = _read_json(path / "special_tokens_map.json")
+    _check_config(config, path / "tokenizer_config.json")
 
     # added_tokens_decoder entries that tokenizer.json lacks (transformers adds them on load)
     existing = {t.content for t in tok.get_added_tokens_decoder().values()}
@@ -147,10 +157,13 @@ def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> T
             special_map[key] = text
             if tok.token_to_id(text) is None:
                 tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+    missing = [t for t in added_tokens if tok.token_to_id(t) is None]
+    if missing:  # as with_added_tokens adds them
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
     chat_template = None
     if (path / "chat_template.jinja").exists():
-        chat_template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        chat_template = read_text_regular(path / "chat_template.jinja", "chat template file", MAX_CONFIG_BYTES)
     elif isinstance(config.get("chat_template"), str):
         chat_template = config["chat_template"]
     elif isinstance(config.get("chat_template"), list):  # named templates: use "default"
@@ -162,7 +175,7 @@ def load_tokenizer(spec: str, base_dir: Optional[str | os.PathLike] = None) -> T
     for name in TOKENIZER_FILES:
         f = path / name
         if f.exists():
-            h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+            h.update(name.encode() + b"\0" + read_bytes_regular(f, "tokenizer file") + b"\0")
     return Tokenizer(tok, path, special_map, chat_template, special_ids, h.hexdigest())
 
 
@@ -200,6 +213,30 @@ def _read_json(p: Path) -> dict:
     if not p.exists():
         return {}
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads(read_text_regular(p, "tokenizer file", MAX_CONFIG_BYTES))
     except json.JSONDecodeError as e:
         raise InputError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{p}: expected a JSON object at the top level, got {type(data).__name__} "
+                         f"(is it the right file?)")
+    return data
+
+
+def _check_config(config: dict, p: Path) -> None:
+    """The keys load_tokenizer reads, in the shapes transformers writes them (one line per problem)."""
+    decoder = config.get("added_tokens_decoder")
+    if decoder is not None:
+        if not isinstance(decoder, dict):
+            raise InputError(f"{p}: added_tokens_decoder must be an object of id -> token, got {type(decoder).__name__}")
+        for k, v in decoder.items():
+            if not str(k).isdigit() or not isinstance(v, dict) or not isinstance(v.get("content"), str):
+                raise InputError(f"{p}: added_tokens_decoder[{k!r}] must be a token id -> {{\"content\": TEXT, ...}}")
+    for key in SPECIAL_KEYS:
+        v = config.get(key)
+        if v is not None and not isinstance(v, str) and not (isinstance(v, dict) and isinstance(v.get("content"), str)):
+            raise InputError(f"{p}: {key} must be a token text or {{\"content\": TEXT}}, got {type(v).__name__}")
+    t = config.get("chat_template")
+    if t is not None and not isinstance(t, str) and not (
+            isinstance(t, list) and all(isinstance(x, dict) and isinstance(x.get("template", ""), str) for x in t)):
+        raise InputError(f"{p}: chat_template must be a template text or a list of {{name, template}}, "
+                         f"got {type(t).__name__}")

@@ -24,6 +24,7 @@ import torch
 
 from astrai.data.load import collate_packed
 from astrai.schema import IGNORE_INDEX
+from astrai.train.grpo_loss import group_advantages
 from astrai.train.lm_loss import shift_targets
 
 
@@ -61,20 +62,13 @@ def collate_dpo(rows: list[dict]) -> dict:
     return b
 
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """(r - mean) / (std + eps) within one group; std with Bessel's correction (as TRL); a group of
-    one completion, or of equal rewards, has zero advantage (nothing to prefer)."""
-    if rewards.numel() < 2:
-        return torch.zeros_like(rewards)
-    return (rewards - rewards.mean()) / (rewards.std() + eps)
-
-
-def collate_grpo(rows: list[dict], eps: float = 1e-4) -> dict:
+def collate_grpo(rows: list[dict], eps: float = 1e-4, scale: bool = True) -> dict:
+    """`scale`: advantages divided by the group's std (every loss type but dr_grpo)."""
     ids, labels, adv, rewards = [], [], [], []
     for r in rows:
         prompt = list(r["prompt_input_ids"])
         rw = torch.tensor(r["rewards"], dtype=torch.float32)
-        adv.append(group_advantages(rw, eps))
+        adv.append(group_advantages(rw, eps, scale))
         rewards.append(rw)
         for comp, comp_labels in zip(r["completion_input_ids"], r["completion_labels"]):
             ids.append(prompt + list(comp))
@@ -82,6 +76,20 @@ def collate_grpo(rows: list[dict], eps: float = 1e-4) -> dict:
     b = _flat(ids, labels)
     b["advantages"] = torch.cat(adv)
     b["rewards"] = torch.cat(rewards)
+    return b
+
+
+def collate_scored(groups: list[tuple]) -> dict:
+    """Online GRPO's groups (prompt ids, completion ids [G][], completion labels [G][], advantages [G],
+    rewards [G]), already scored: each completion one document prompt + completion, as collate_grpo."""
+    ids, labels = [], []
+    for prompt, comps, comp_labels, _, _ in groups:
+        for comp, lab in zip(comps, comp_labels):
+            ids.append(list(prompt) + list(comp))
+            labels.append([IGNORE_INDEX] * len(prompt) + list(lab))
+    b = _flat(ids, labels)
+    b["advantages"] = torch.cat([g[3] for g in groups])
+    b["rewards"] = torch.cat([g[4] for g in groups])
     return b
 
 

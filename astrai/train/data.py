@@ -76,8 +76,13 @@ class TrainData:
                 shutil.copyfile(bundled[spec], Path(out) / "chat_template.jinja")
 
 
-def compat_problems(strategy: str, data: TrainData, model_vocab: int) -> list[str]:
+def compat_problems(strategy: str, data: TrainData, model_vocab: int, online: bool = False) -> list[str]:
     p = []
+    if online:  # online grpo samples its completions: the data holds prompts (single-output rows)
+        if data.kind in ("dpo", "grpo"):
+            p.append(f"online grpo (rollout) trains on prompts, but {data.dir} holds {data.kind} records; preprocess "
+                     f"prompts with add_generation_prompt: true (see pipelines/grpo_prompts.yaml)")
+        strategy = "online"
     if strategy == "sft" and data.kind != "labels":
         p.append(f"strategy sft needs labels, but {data.dir} is {data.kind} data; use strategy: seq for plain "
                  f"text, or preprocess with mask rules" if data.kind == "text" else

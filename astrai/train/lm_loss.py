@@ -22,12 +22,17 @@ and the smallest, so it is the default wherever there is more than one chunk.
 Only positions with a target are sent through the head at all (an SFT batch with 30% trained
 tokens pays 30% of the head), in every mode.
 
+Final logit soft-capping (Gemma's final_logit_softcapping, `softcap`): the loss is taken on
+cap * tanh(z / cap) in every mode; the fused mode multiplies the logits' gradient by 1 - tanh^2.
+
 Targets: `shift_targets(labels, cu_seqlens)` turns unshifted labels (HF convention) of a packed
 row into next-token targets; the last token of each document gets IGNORE_INDEX, so a document's
 last token is never trained to predict the next document's first token.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,30 +59,35 @@ def _ce_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float) -> torch.Tensor
     return F.cross_entropy(at_least_float32(z), y, reduction="none", label_smoothing=smoothing)
 
 
+def _head(h: torch.Tensor, weight: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    z = h @ weight.t()
+    return z if softcap is None else torch.tanh(z / softcap) * softcap
+
+
 def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mode: str = "full",
-                      chunk: int = LOSS_CHUNK, smoothing: float = 0.0) -> torch.Tensor:
+                      chunk: int = LOSS_CHUNK, smoothing: float = 0.0, softcap: Optional[float] = None) -> torch.Tensor:
     """Sum over positions with a target of the next-token cross-entropy (float32 scalar)."""
     keep = targets != IGNORE_INDEX
     h, y = hidden[keep], targets[keep]
     if h.shape[0] == 0:
         return hidden.sum() * 0.0  # keeps the graph (and DDP's gradient hooks) connected
     if mode == "full" or (mode == "auto" and h.shape[0] <= chunk):
-        return _ce_rows(h @ weight.t(), y, smoothing).sum()
+        return _ce_rows(_head(h, weight, softcap), y, smoothing).sum()
     if mode in ("fused", "auto"):  # auto past one chunk: fused measured faster than chunked at the same peak
-        return _FusedLinearCrossEntropy.apply(h, weight, y, chunk, smoothing)
+        return _FusedLinearCrossEntropy.apply(h, weight, y, chunk, smoothing, softcap)
     if mode == "chunked":
-        parts = [checkpoint(_chunk_ce, h[s:s + chunk], weight, y[s:s + chunk], smoothing, use_reentrant=False)
-                 for s in range(0, h.shape[0], chunk)]
+        parts = [checkpoint(_chunk_ce, h[s:s + chunk], weight, y[s:s + chunk], smoothing, softcap,
+                            use_reentrant=False) for s in range(0, h.shape[0], chunk)]
         return torch.stack(parts).sum()
     raise ValueError(f"lm_loss mode {mode!r}: choose one of {', '.join(MODES)}")
 
 
-def _chunk_ce(h, weight, y, smoothing):
-    return _ce_rows(h @ weight.t(), y, smoothing).sum()
+def _chunk_ce(h, weight, y, smoothing, softcap=None):
+    return _ce_rows(_head(h, weight, softcap), y, smoothing).sum()
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mode: str = "full",
-                   chunk: int = LOSS_CHUNK) -> torch.Tensor:
+                   chunk: int = LOSS_CHUNK, softcap: Optional[float] = None) -> torch.Tensor:
     """log p(target) per position [T] in float32; 0 where there is no target."""
     keep = targets != IGNORE_INDEX
     out = torch.zeros(targets.shape, dtype=acc_dtype(hidden.dtype), device=hidden.device)
@@ -86,15 +96,15 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         return out + hidden.sum() * 0.0
     # no fused form for log-probs: auto keeps them whole up to 4 chunks (the recompute costs ~1/3 more)
     if mode in ("chunked", "fused") or (mode == "auto" and h.shape[0] > 4 * chunk):
-        lp = torch.cat([checkpoint(_chunk_logp, h[s:s + chunk], weight, y[s:s + chunk], use_reentrant=False)
+        lp = torch.cat([checkpoint(_chunk_logp, h[s:s + chunk], weight, y[s:s + chunk], softcap, use_reentrant=False)
                         for s in range(0, h.shape[0], chunk)])
     else:
-        lp = _chunk_logp(h, weight, y)
+        lp = _chunk_logp(h, weight, y, softcap)
     return out.masked_scatter(keep, lp)
 
 
-def _chunk_logp(h, weight, y):
-    z = at_least_float32(h @ weight.t())
+def _chunk_logp(h, weight, y, softcap=None):
+    z = at_least_float32(_head(h, weight, softcap))
     return z.gather(1, y[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
 
 
@@ -109,13 +119,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, y, chunk, smoothing):
+    def forward(ctx, h, weight, y, chunk, smoothing, softcap=None):
         vocab = weight.shape[0]
         grad_h = torch.empty_like(h)
         acc = acc_dtype(h.dtype)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
         total = torch.zeros((), dtype=acc, device=h.device)
         buf = torch.empty((min(chunk, h.shape[0]), vocab), dtype=acc, device=h.device)
+        slope_buf = torch.empty_like(buf) if softcap is not None else None
         for s in range(0, h.shape[0], chunk):
             hc, yc = h[s:s + chunk], y[s:s + chunk]
             rows = torch.arange(len(yc), device=h.device)
@@ -124,6 +135,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(hc, weight.t(), out=z)
             else:
                 z.copy_(hc @ weight.t())
+            if softcap is not None:  # z <- cap * tanh(z / cap); the chain rule's factor is 1 - tanh^2
+                z.div_(softcap).tanh_()
+                slope = torch.mul(z, z, out=slope_buf[:len(yc)]).neg_().add_(1.0)
+                z.mul_(softcap)
             m = z.amax(dim=-1, keepdim=True)
             picked = z[rows, yc]
             mean_z = z.mean(dim=-1) if smoothing else None
@@ -138,6 +153,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             g[rows, yc] -= 1.0 - smoothing
             if smoothing:
                 g.sub_(smoothing / vocab)
+            if softcap is not None:
+                g.mul_(slope)
             g = g.to(h.dtype)  # no copy in float32
             torch.mm(g, weight.to(g.dtype), out=grad_h[s:s + chunk])
             if grad_w is not None:
@@ -151,4 +168,4 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.has_w else None
-        return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None
+        return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None, None

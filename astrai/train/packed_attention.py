@@ -9,9 +9,11 @@ astrai.model.attention behind one constructor, `packed_context(cu_seqlens, ...)`
   SDPA call with enable_gqa. Issue 13 measured it on a 2-core CPU at ~0.98x the real tokens/s of
   length-sorted padding and ~1.6x random-order padding; bench/train.py re-measures it.
   Document boundaries are read to Python once, in the constructor, so a torch.compile of the rest
-  of the model does not recompile for every new document count.
+  of the model does not recompile for every new document count. A sliding-window layer attends in
+  query blocks of the window's length (astrai.model.attention.causal_sdpa): O(S x window) work.
 - `VarlenContext` (CUDA, half precision): one `torch.nn.attention.varlen.varlen_attn` call (flash
-  attention over cu_seqlens, causal via window (-1, 0)). Chosen automatically when it applies.
+  attention over cu_seqlens, causal via window (-1, 0), or (W - 1, 0) for a sliding window of W).
+  Chosen automatically when it applies.
 
 Cross-document targets are the loss's business: see astrai.train.lm_loss.shift_targets.
 """
@@ -28,11 +30,11 @@ class DocumentLoopContext(AttentionContext):
         self.bounds = [int(x) for x in cu_seqlens.tolist()]
 
     @torch.compiler.disable  # under torch.compile the loop stays eager: no recompile per document layout
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, window=None, scale=None):
         b = self.bounds
         if len(b) == 2:
-            return causal_sdpa(q, k, v)
-        return torch.cat([causal_sdpa(q[s:e], k[s:e], v[s:e]) for s, e in zip(b[:-1], b[1:]) if e > s])
+            return causal_sdpa(q, k, v, window, scale)
+        return torch.cat([causal_sdpa(q[s:e], k[s:e], v[s:e], window, scale) for s, e in zip(b[:-1], b[1:]) if e > s])
 
 
 class VarlenContext(AttentionContext):
@@ -40,11 +42,11 @@ class VarlenContext(AttentionContext):
         self.cu = cu_seqlens.to(torch.int32)
         self.max_seqlen = int(max_seqlen)
 
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, window=None, scale=None):
         from torch.nn.attention.varlen import varlen_attn
 
-        return varlen_attn(q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen,
-                           window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+        return varlen_attn(q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen, scale=scale,
+                           window_size=(-1 if window is None else window - 1, 0), enable_gqa=q.shape[1] != k.shape[1])
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:

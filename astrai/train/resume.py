@@ -188,6 +188,30 @@ def read_state(path: Path) -> dict:
     return saved
 
 
+# options a continued run may change without changing what was trained so far
+_FREE_OPTIONS = frozenset({"output", "resume", "progress", "max_steps", "epochs", "log_every", "eval_every",
+                           "save_every", "keep_last", "report_to", "device"})
+
+
+def changed_options(saved: dict, now: dict) -> list[str]:
+    """`key old -> new` for each option of the run being resumed that differs from the one that wrote
+    the checkpoint (paths compared resolved), leaving out those a continued run may change."""
+    before = saved.get("options")
+    if not isinstance(before, dict):
+        return []
+    out = []
+    for key in sorted(set(before) | set(now)):
+        if key in _FREE_OPTIONS:
+            continue
+        a, b = before.get(key), now.get(key)
+        if isinstance(a, str) and isinstance(b, str) and a != b and Path(a).exists() and Path(b).exists():
+            if Path(a).resolve() == Path(b).resolve():
+                continue
+        if a != b:
+            out.append(f"{key} {json.dumps(a)} -> {json.dumps(b)}")
+    return out
+
+
 def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None) -> dict:
     """Restore model weights (in place: the optimizer keeps its parameters; into the shards of an
     fsdp model), optimizer, scheduler and this rank's generators. Every rank reads the full files."""

@@ -24,7 +24,9 @@ import torch
 from astrai.errors import InputError
 from astrai.model import CausalLM, ModelConfig
 from astrai.model.adapter_files import is_adapter, load_checkpoint
+from astrai.model.checkpoint_files import read_json
 from astrai.model.config import PRESETS
+from astrai.model.weights import check_fits_memory
 from astrai.train.adapters import add_adapters, base_problem, reference, write_final
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import all_sum, finish, full_model_state, setup, teardown
@@ -52,23 +54,25 @@ def build_model(spec: str, data: TrainData, seed: int, dtype: torch.dtype = torc
         return CausalLM(ModelConfig.preset(spec, vocab_size=vocab, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                                            pad_token_id=None))
     path = Path(spec)
-    if is_checkpoint(spec):  # an adapter directory: merged into its base, which then trains
-        return load_checkpoint(path, dtype=dtype)
-    if path.is_file() and path.suffix == ".json":
-        import json
-
-        return CausalLM(ModelConfig.from_hf(json.loads(path.read_text())))
+    if path.is_dir():  # a checkpoint, or an adapter directory (merged into its base, which then trains);
+        return load_checkpoint(path, dtype=dtype)  # what cannot be read (pickles, bad files) is refused by name
+    if path.suffix == ".json" and path.exists():
+        config = ModelConfig.from_hf(read_json(path, "config.json"), str(path))
+        check_fits_memory(config, dtype, str(path))  # before allocating fresh weights
+        return CausalLM(config)
     raise TrainConfigError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}), a config.json, "
                            f"or a checkpoint directory with model.safetensors")
 
 
-def run_train(options: TrainOptions, callbacks=()) -> dict:
+def run_train(options: TrainOptions, callbacks=(), strategy_factory=None) -> dict:
+    """`strategy_factory(model, ref, data, options, dist) -> Strategy`: a layer above this one builds
+    the strategy (online GRPO: astrai.rl, which drives the inference engine)."""
     if options.data is None:
         raise TrainConfigError("data is required: the preprocessed directory to train on")
     dist = setup(options.device)
     try:
         with locked_output(Path(options.output), dist):
-            return _train(options, callbacks, dist)
+            return _train(options, callbacks, dist, strategy_factory)
     finally:
         teardown(dist)
 
@@ -101,13 +105,13 @@ def locked_output(out: Path, dist):
             lock.__exit__(None, None, None)
 
 
-def _train(options: TrainOptions, callbacks, dist) -> dict:
+def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dict:
     data = TrainData(options.data)
     problem = base_problem(options, is_checkpoint(options.model))
     if problem:
         raise TrainConfigError(f"train config: {problem}")
     model = build_model(options.model, data, options.seed, getattr(torch, options.dtype))
-    problems = compat_problems(options.strategy, data, model.config.vocab_size)
+    problems = compat_problems(options.strategy, data, model.config.vocab_size, online=options.rollout is not None)
     val = TrainData(options.val_data) if options.val_data else None
     if val is not None and val.kind != data.kind:
         problems.append(f"val_data {val.dir} is {val.kind} data but data is {data.kind}")
@@ -122,9 +126,17 @@ def _train(options: TrainOptions, callbacks, dist) -> dict:
         add_adapters(model, options)
     ref = reference(model, options)
     # a reference that is the (sharded) model itself runs collectively: no per-rank cache of its log-probs
-    strategy = make_strategy(options.strategy, ref, label_smoothing=options.label_smoothing, beta=options.dpo_beta,
+    if options.rollout is not None:
+        if strategy_factory is None:
+            raise TrainConfigError("train config: online grpo (rollout) runs through astrai.rl.run_online_grpo, "
+                                   "which drives the inference engine; astrai train and recipes call it")
+        strategy = strategy_factory(model, ref, data, options, dist)
+    else:
+        strategy = make_strategy(options.strategy, ref, label_smoothing=options.label_smoothing, beta=options.dpo_beta,
                              clip_eps=options.grpo_clip_eps, kl_coef=options.grpo_kl_coef, updates=options.grpo_updates,
-                             cache_ref=not (options.lora is not None and options.parallel == "fsdp"))
+                             loss_type=options.loss_type, clip_eps_low=options.grpo_clip_eps_low,
+                             clip_eps_high=options.grpo_clip_eps_high,
+                                 cache_ref=not (options.lora is not None and options.parallel == "fsdp"))
     if isinstance(ref, torch.nn.Module):
         ref.to(device=dist.device, dtype=getattr(torch, options.dtype))
     trainer = Trainer(model, strategy, data.dataset, options, val_dataset=val.dataset if val else None,

@@ -12,11 +12,13 @@ the seed divided each micro-batch's mean by the number of micro-steps instead).
         its log-probs are computed once per row and cached (once per run, hence once per epoch),
         except when the reference is the fsdp-sharded policy itself with its LoRA adapters off
         (`cache_ref=False`): its forwards are collective, and ranks would hit their caches apart.
-- grpo: per trained completion token, -min(rho * A, clip(rho, 1-eps, 1+eps) * A) + kl_coef * k3,
+- grpo: per trained completion token, -min(rho * A, clip(rho, 1-eps_low, 1+eps_high) * A) + kl_coef * k3,
         rho = pi / pi_old, k3 = exp(ref - pi) - (ref - pi) - 1 (Schulman's unbiased, positive KL
-        estimator), A the group-normalised advantage of the completion; units = completion tokens.
+        estimator), A the group-normalised advantage of the completion; units = completion tokens
+        (loss_type token/dapo), sequences (grpo) or sequences * L (dr_grpo): astrai.train.grpo_loss.
         pi_old is the policy when the batch was drawn: `prepare` records it, then the trainer runs
-        `updates` optimizer steps on the same batch, so the clip acts from the second update on.
+        `updates` optimizer steps on the same batch, so the clip acts from the second update on
+        (with one update, pi_old = pi detached: the ratio is 1 and no extra forward is run).
 
 MoE: the load-balancing loss of each forward is added as coef * aux * (micro units / step units),
 so it too sums to one weighted mean per step; task loss, aux and weighted aux are logged apart.
@@ -35,6 +37,7 @@ from astrai.schema import IGNORE_INDEX
 from astrai.train.packed_attention import packed_context
 from astrai.train.batches import collate_dpo, collate_grpo, collate_lm
 from astrai.model.transformer import acc_dtype
+from astrai.train import grpo_loss
 from astrai.train.lm_loss import cross_entropy_sum, token_logprobs
 
 
@@ -50,6 +53,12 @@ class Env:
 
 def unwrap(model):
     return getattr(model, "module", model)
+
+
+def softcap(model):
+    """The model's final logit soft-capping (Gemma), applied by the loss that runs the LM head."""
+    # a model without a config (a test's stub head) has no soft-capping
+    return getattr(getattr(unwrap(model), "config", None), "final_logit_softcapping", None)
 
 
 def forward(model, batch: dict, env: Env):
@@ -91,7 +100,7 @@ class LMStrategy(Strategy):
     def loss(self, model, batch, env):
         hidden, aux = forward(model, batch, env)
         s = cross_entropy_sum(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss, env.loss_chunk,
-                              self.smoothing)
+                              self.smoothing, softcap(model))
         return s, aux, {}
 
 
@@ -110,7 +119,8 @@ class DPOStrategy(Strategy):
 
     def _seq_logps(self, model, batch, env):
         hidden, aux = forward(model, batch, env)
-        lp = token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss, env.loss_chunk)
+        lp = token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss, env.loss_chunk,
+                            softcap(model))
         return doc_sums(lp, batch["cu_seqlens"]), aux
 
     @torch.no_grad()
@@ -136,43 +146,62 @@ class DPOStrategy(Strategy):
 
 
 class GRPOStrategy(Strategy):
+    """Clipped GRPO on groups (astrai.train.grpo_loss: the loss types and their formulas)."""
     name = "grpo"
 
     def __init__(self, ref_model: Optional[torch.nn.Module], clip_eps: float = 0.2, kl_coef: float = 0.01,
-                 updates: int = 2, adv_eps: float = 1e-4):
+                 updates: int = 2, adv_eps: float = 1e-4, loss_type: str = "token", clip_eps_low=None,
+                 clip_eps_high=None, max_len: int = 0):
         self.ref, self.clip_eps, self.kl_coef, self.updates, self.adv_eps = ref_model, clip_eps, kl_coef, updates, adv_eps
+        self.loss_type, self.max_len = loss_type, max_len
+        self.eps_low = clip_eps if clip_eps_low is None else clip_eps_low
+        self.eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
     def collate(self, rows):
-        return collate_grpo(rows, self.adv_eps)
+        return collate_grpo(rows, self.adv_eps, scale=self.loss_type != "dr_grpo")
+
+    @staticmethod
+    def _docs(batch):
+        cu = batch["cu_seqlens"]
+        lens = (cu[1:] - cu[:-1]).to(batch["targets"].device)
+        return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens), lens
+
+    def units(self, batch):
+        doc, lens = self._docs(batch)
+        return grpo_loss.units(batch["targets"] != IGNORE_INDEX, doc, len(lens), self.loss_type, self.max_len)
 
     def _token_logps(self, model, batch, env):
         hidden, aux = forward(model, batch, env)
         return token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss,
-                              env.loss_chunk), aux
+                              env.loss_chunk, softcap(model)), aux
 
     @torch.no_grad()
     def prepare(self, model, batches, indices, env):
         for b in batches:
-            b["old_logps"] = self._token_logps(model, b, env)[0]
+            if self.updates > 1:  # one update: pi_old is the policy of that update itself (ratio 1), no forward
+                b["old_logps"] = self._token_logps(model, b, env)[0]
             if self.kl_coef and self.ref is not None:
                 b["ref_logps"] = self._token_logps(self.ref, b, env)[0]
+        # token counts (clip fractions, KL) are logged per completion token whatever the step's units
+        tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)
+        scale = sum(self.units(b) for b in batches) / max(tokens, 1)
+        for b in batches:
+            b["metric_scale"] = scale
 
     def loss(self, model, batch, env):
         logp, aux = self._token_logps(model, batch, env)
         valid = batch["targets"] != IGNORE_INDEX
-        cu = batch["cu_seqlens"]
-        lens = (cu[1:] - cu[:-1]).to(logp.device)
+        doc, lens = self._docs(batch)
         adv = torch.repeat_interleave(batch["advantages"].to(device=logp.device, dtype=logp.dtype), lens)
-        ratio = torch.exp(logp - batch["old_logps"])
-        clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
-        per_token = -torch.minimum(ratio * adv, clipped * adv)
-        m = {"clip_fraction": float(((ratio - clipped).abs() > 0)[valid].float().sum())}
-        if self.kl_coef and "ref_logps" in batch:
-            d = batch["ref_logps"] - logp
-            kl = torch.exp(d) - d - 1
-            per_token = per_token + self.kl_coef * kl
-            m["kl"] = float(kl.detach()[valid].sum())
-        return per_token[valid].sum(), aux, m
+        old = batch["old_logps"] if "old_logps" in batch else logp.detach()
+        t = grpo_loss.per_token_terms(logp, old, adv, self.eps_low, self.eps_high,
+                                      batch.get("ref_logps"), self.kl_coef)
+        scale = batch.get("metric_scale", 1.0)
+        low, high = float(t["clip_low"][valid].sum()) * scale, float(t["clip_high"][valid].sum()) * scale
+        m = {"clip_fraction": low + high, "clip_low_fraction": low, "clip_high_fraction": high}
+        if "kl" in t:
+            m["kl"] = float(t["kl"].detach()[valid].sum()) * scale
+        return grpo_loss.aggregate(t["loss"], valid, doc, len(lens), self.loss_type), aux, m
 
 
 def make_strategy(name: str, ref_model=None, **opts) -> Strategy:
@@ -181,5 +210,7 @@ def make_strategy(name: str, ref_model=None, **opts) -> Strategy:
     if name == "dpo":
         return DPOStrategy(ref_model, opts.get("beta", 0.1), opts.get("cache_ref", True))
     if name == "grpo":
-        return GRPOStrategy(ref_model, opts.get("clip_eps", 0.2), opts.get("kl_coef", 0.01), opts.get("updates", 2))
+        return GRPOStrategy(ref_model, opts.get("clip_eps", 0.2), opts.get("kl_coef", 0.01), opts.get("updates", 2),
+                            loss_type=opts.get("loss_type", "token"), clip_eps_low=opts.get("clip_eps_low"),
+                            clip_eps_high=opts.get("clip_eps_high"))
     raise ValueError(f"unknown strategy {name!r}: choose seq, sft, dpo or grpo")

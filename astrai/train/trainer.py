@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -157,6 +158,11 @@ class Trainer:
         saved = resume.load(path, self.raw_model, self.optimizer, self.scheduler, self.dist)
         for k in _SAVED:
             setattr(self.state, k, saved.get(k, 0))
+        changed = resume.changed_options(saved, self.opts.model_dump(mode="json"))
+        if changed and self.dist.is_main:  # continuing is allowed (a lower lr after a spike), never silent
+            print(f"astrai train: resuming {path} (step {self.state.global_step}) with options changed since it was "
+                  f"written: {'; '.join(changed)}; to start over instead, use another output or resume: never",
+                  file=sys.stderr, flush=True)
         return path
 
     def _on_signal(self, signum, frame):
@@ -175,6 +181,11 @@ class Trainer:
     def fit(self) -> TrainState:
         if self.opts.resume == "auto":
             self.resume()
+        elif (earlier := resume.latest(self.checkpoint_dir)) is not None:
+            # its checkpoints would interleave with this run's (keep_last keeps the higher steps: the old ones)
+            raise resume.CheckpointError(f"{self.out}: holds checkpoints of an earlier run (latest {earlier.name}); "
+                                         f"resume: never starts over only in an output without them: use another "
+                                         f"output, or delete {self.checkpoint_dir}")
         previous = self._install_signals()
         self.raw_model.train()
         self.fire("on_train_begin")
@@ -200,6 +211,10 @@ class Trainer:
         return self.state
 
     def _batches(self, window: list[list[int]]) -> list[dict]:
+        draw = getattr(self.strategy, "draw", None)
+        if draw is not None:  # a strategy that makes its batches from the rows (online GRPO samples them)
+            out = draw(self.raw_model, window, self.state.global_step)
+            return [{k: v.to(self.dist.device) if torch.is_tensor(v) else v for k, v in b.items()} for b in out]
         out = []
         for idx in window:
             b = self.strategy.collate([self.dataset[i] for i in idx])
@@ -261,6 +276,7 @@ class Trainer:
         for k in keys:
             if k not in ("loss", "aux_loss", "forwards", "tokens"):
                 m[k] = totals[k] / step_units
+        m.update(getattr(self.strategy, "step_metrics", None) or {})  # what the strategy measured drawing the step
         if not finite:
             m.update(skipped=True, skipped_nonfinite=st.skipped_nonfinite)
         st.step_metrics = m

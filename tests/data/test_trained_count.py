@@ -106,6 +106,8 @@ def test_trained_tokens_exact_after_a_resume(tmp_path, tiny_tokenizer, monkeypat
     out = tmp_path / "o"
     with pytest.raises(Killed):
         run_preprocess(pipe, [str(data)], str(out), tokenizer=str(tiny_tokenizer), workers=1, log=lambda s: None)
+    if strategy == "bfd_split":  # a shard's count is a cache (not fsynced): lost, it is counted from the shard
+        (out / ".work" / "packed-00000.json").unlink()
     calls.clear()
     armed[0] = False
     logged = []

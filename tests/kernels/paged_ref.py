@@ -32,8 +32,9 @@ def paged_cache(kv_lens, page_size, num_kv_heads, head_dim, dtype, gen, spare_pa
     return k_cache, v_cache, i32(indptr), i32(indices), slots
 
 
-def attention_ref(q, k, v, first_pos):
-    """Float32 attention of q [n, Hq, D] at positions first_pos.. over k, v [kv_len, Hkv, D], causal."""
+def attention_ref(q, k, v, first_pos, window=None, scale=None):
+    """Float32 attention of q [n, Hq, D] at positions first_pos.. over k, v [kv_len, Hkv, D], causal; with a
+    sliding window the query at position p sees positions p - window + 1 .. p; softmax scale 1/sqrt(D) or `scale`."""
     q, k, v = q.float(), k.float(), v.float()
     n, hq, d = q.shape
     kv_len, hkv = k.shape[0], k.shape[1]
@@ -41,8 +42,11 @@ def attention_ref(q, k, v, first_pos):
         return torch.zeros(n, hq, d)
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("nhd,khd->hnk", q, k) / math.sqrt(d)
-    visible = torch.arange(kv_len)[None, :] <= (first_pos + torch.arange(n))[:, None]
+    scores = torch.einsum("nhd,khd->hnk", q, k) * (1 / math.sqrt(d) if scale is None else scale)
+    q_pos = (first_pos + torch.arange(n))[:, None]
+    visible = torch.arange(kv_len)[None, :] <= q_pos
+    if window is not None:
+        visible &= torch.arange(kv_len)[None, :] > q_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hnk,khd->nhd", scores.softmax(-1), v)
 

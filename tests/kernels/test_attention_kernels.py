@@ -151,3 +151,31 @@ def test_automatic_split_plan_on_a_wide_machine(emu):
     for b, n in enumerate(kv_lens):
         _check_close(out[b], attention_ref(q[b:b + 1], k_cache[slots[b]], v_cache[slots[b]], n - 1)[0],
                      torch.float16, f"request {b}")
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 23, 1000])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_sliding_window_and_softmax_scale(target, window, page_size):
+    """Per-layer sliding windows (1, shorter and longer than a page, a tile, the context) and a softmax
+    scale of the model's own: prefill with cached prefixes and several tiles, decode with several splits."""
+    gen = torch.Generator().manual_seed(window * 7 + page_size)
+    dtype, hq, hkv, d, scale = torch.float32, 4, 2, 64, 0.3
+    reqs = [(1, 1), (9, 9), (6, 40), (37, 70), (1, 64)]  # (new tokens, kv_len)
+    kv_lens = [r[1] for r in reqs]
+    k_cache, v_cache, kv_indptr, pages, slots = paged_cache(kv_lens, page_size, hkv, d, dtype, gen)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    q = torch.randn(len(reqs), hq, d, generator=gen)
+    out = L.decode(*target.to(q, k_cache, v_cache, kv_indptr, pages, i32(kv_lens)), page_size, max(kv_lens),
+                   target.executor, num_splits=3, scale=scale, window=window).cpu()
+    for b, n in enumerate(kv_lens):
+        ref = attention_ref(q[b:b + 1], k_cache[slots[b]], v_cache[slots[b]], n - 1, window, scale)[0]
+        _check_close(out[b], ref, dtype, f"decode request {b} (kv_len {n})")
+    qo = [0]
+    for n, _ in reqs:
+        qo.append(qo[-1] + n)
+    qp = torch.randn(qo[-1], hq, d, generator=gen)
+    out = L.prefill(*target.to(qp, k_cache, v_cache, i32(qo), kv_indptr, pages, i32(kv_lens)), page_size,
+                    max(r[0] for r in reqs), target.executor, 4, scale=scale, window=window).cpu()
+    for b, (q_len, kv_len) in enumerate(reqs):
+        ref = attention_ref(qp[qo[b]:qo[b + 1]], k_cache[slots[b]], v_cache[slots[b]], kv_len - q_len, window, scale)
+        _check_close(out[qo[b]:qo[b + 1]], ref, dtype, f"prefill request {b} (q_len {q_len}, kv_len {kv_len})")

@@ -109,3 +109,58 @@ def test_a_head_dim_the_kernels_cannot_serve_is_refused_up_front(emu):
     caches = [torch.zeros(16, 2, 12)]
     with pytest.raises(BackendUnavailable, match="head_dim multiples of 8 up to 256, not 12"):
         CudaBackend(caches, caches, executor=emu)
+
+
+GEMMA_FULL = dict(family="gemma3_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="gelu_pytorch_tanh",
+                  query_pre_attn_scalar=40.0, final_logit_softcapping=8.0, tie_word_embeddings=True,
+                  initializer_range=0.2, eos_token_id=None, bos_token_id=None, max_position_embeddings=512)
+
+
+def test_the_kernels_take_a_models_softmax_scale(emu_registered):
+    # Gemma 3 with only global layers: softmax scale query_pre_attn_scalar^-0.5, q/k norms, soft-capped logits
+    torch.manual_seed(6)
+    model = CausalLM(ModelConfig(**GEMMA_FULL)).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0.0, 0.3)
+    prompts = _prompts(5)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outs = {}
+    for name in ("torch", "emu"):
+        with attn_backend(name):
+            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=16, max_running=4))
+            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs["emu"] == outs["torch"]
+    plain = CausalLM(model.config.replace(query_pre_attn_scalar=None)).eval()
+    plain.load_state_dict(model.state_dict())
+    with attn_backend("torch"):
+        engine = Engine(plain, options=EngineOptions(device="cpu", page_size=4))
+        assert [o.token_ids for o in engine.generate(prompts, params)] != outs["torch"]  # the scale matters here
+
+
+def test_sliding_windows_on_the_emulated_kernels_equal_the_torch_backend(emu_registered):
+    # Gemma 3 local (window 6) and global layers, decode well past the window, chunked prefill
+    torch.manual_seed(7)
+    cfg = ModelConfig(**GEMMA_FULL).replace(sliding_window=6, layer_types=("sliding_attention", "full_attention"),
+                                            local_rope={"rope_theta": 500.0, "rope_type": "default"})
+    model = CausalLM(cfg).eval()
+    prompts = _prompts(8)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    outs = {}
+    for name in ("torch", "emu"):
+        with attn_backend(name):
+            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=16, max_running=4))
+            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs["emu"] == outs["torch"]
+
+
+def test_a_model_the_kernels_cannot_serve_goes_to_torch(emu_registered, monkeypatch):
+    monkeypatch.setattr(backend_mod, "BACKENDS", {"emu": backend_mod.BACKENDS["emu"], "torch": backend_mod.BACKENDS["torch"]})
+    assert select_backend("cpu", torch.float32, ModelConfig(**GEMMA_FULL)).name == "emu"  # the kernels first
+    odd = ModelConfig.preset("tiny", head_dim=12)
+    assert select_backend("cpu", torch.float32, odd) is TorchBackend
+    with attn_backend("emu"), pytest.raises(BackendUnavailable, match="head_dim multiples of 8 up to 256, not 12"):
+        select_backend("cpu", torch.float32, odd)
+    assert Engine(CausalLM(odd).eval(), options=EngineOptions(device="cpu")).backend.name == "torch"

@@ -122,7 +122,7 @@ def test_load_casts_dtype_and_keeps_tied_head(tmp_path):
 def test_config_round_trip_and_refusals():
     cfg = ModelConfig.preset("tiny-moe", rope_scaling={"rope_type": "linear", "factor": 4.0})
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
-    with pytest.raises(ValueError, match="attention_bias"):
-        ModelConfig.from_hf({**ModelConfig.preset("tiny").to_hf(), "attention_bias": True})
+    with pytest.raises(ValueError, match="hidden_act: 'relu' is not modelled"):
+        ModelConfig.from_hf({**ModelConfig.preset("tiny").to_hf(), "hidden_act": "relu"})
     with pytest.raises(ValueError, match="unknown model preset"):
         ModelConfig.preset("huge")

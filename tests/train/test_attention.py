@@ -79,11 +79,15 @@ def test_shift_targets_never_crosses_documents():
 
 
 @pytest.mark.gpu
-def test_varlen_matches_loop_on_gpu():
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_varlen_matches_loop_on_gpu(family):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
     cfg = ModelConfig.preset("tiny", head_dim=64)
+    if family == "gemma3_text":  # a sliding window shorter than the documents, and a softmax scale of its own
+        cfg = cfg.replace(family=family, hidden_act="gelu_pytorch_tanh", sliding_window=16, query_pre_attn_scalar=100,
+                          layer_types=("sliding_attention", "full_attention"))
     model = CausalLM(cfg).cuda().to(torch.bfloat16)
     lens = torch.tensor([70, 3, 129, 40])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])

@@ -212,3 +212,21 @@ def test_a_fifo_named_like_a_state_file_is_refused_without_blocking(trained):
     os.mkfifo(ckpt / "scheduler.json")
     with pytest.raises(CheckpointError, match="not a regular file"):
         _trainer(trained, epochs=3, max_steps=6).fit()
+
+
+def test_a_resume_with_changed_options_says_which(trained, capsys):
+    capsys.readouterr()
+    _trainer(trained, epochs=3, max_steps=5).fit()  # only the length grew: a plain continuation
+    assert "changed" not in capsys.readouterr().err
+    _trainer(trained, epochs=3, max_steps=6, lr=1e-4).fit()
+    err = capsys.readouterr().err
+    assert "step-00000005" in err and "(step 5)" in err and "lr 0.01 -> 0.0001" in err, err
+    assert "max_steps" not in err and "resume: never" in err
+
+
+def test_starting_over_refuses_an_output_holding_another_runs_checkpoints(trained):
+    # its step-4 would outrank this run's step-2 in keep_last and in the next resume: refused before any step
+    with pytest.raises(CheckpointError) as e:
+        _trainer(trained, epochs=3, max_steps=2, resume="never").fit()
+    assert "step-00000004" in str(e.value) and "another output" in str(e.value) and "\n" not in str(e.value)
+    assert resume.latest(trained / "checkpoints").name == "step-00000004"

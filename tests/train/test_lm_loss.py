@@ -72,3 +72,24 @@ def test_fused_bfloat16_follows_full():
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=0.5)
     torch.testing.assert_close(h2.float(), gh, rtol=5e-2, atol=5e-2)
     torch.testing.assert_close(w2.float(), gw, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("mode", ["full", "chunked", "fused"])
+def test_final_logit_softcapping_in_every_mode(mode):
+    # Gemma's final_logit_softcapping: the loss sees cap * tanh(z / cap); the reference is autograd through it
+    hidden, weight, targets = _setup(2)
+    cap = 3.0
+    z = hidden @ weight.t()
+    assert z.abs().max() > 2 * cap  # the cap bends these logits
+    ref = F.cross_entropy(torch.tanh(z / cap) * cap, targets, ignore_index=IGNORE_INDEX, reduction="sum",
+                          label_smoothing=0.1)
+    gh, gw = torch.autograd.grad(ref, (hidden, weight))
+    got = cross_entropy_sum(hidden, weight, targets, mode=mode, chunk=8, smoothing=0.1, softcap=cap)
+    h2, w2 = torch.autograd.grad(got, (hidden, weight))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(h2, gh, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w2, gw, atol=1e-5, rtol=1e-4)
+    lp = token_logprobs(hidden, weight, targets, mode="chunked" if mode != "full" else "full", chunk=8, softcap=cap)
+    keep = targets != IGNORE_INDEX
+    full = torch.log_softmax(torch.tanh(z / cap) * cap, -1)
+    torch.testing.assert_close(lp[keep], full[keep].gather(1, targets[keep, None])[:, 0], atol=1e-5, rtol=0)

@@ -36,7 +36,7 @@ def records_report(title: str, pipeline, base_dir: str, tokenizer: str, inputs: 
     from astrai.data.read import expand_inputs
     from astrai.text.tokenizer import load_tokenizer
 
-    proc = Processor(pipeline, load_tokenizer(tokenizer, base_dir), base_dir)
+    proc = Processor(pipeline, load_tokenizer(tokenizer, base_dir, pipeline.added_tokens), base_dir)
     seen: dict = {}
     items = list(read_records(expand_inputs(inputs), wanted, seen))
     found = {i for i, _, _, _ in items}

@@ -49,4 +49,5 @@ class Worker:
     def build(job: Job) -> "Worker":
         from astrai.text.tokenizer import load_tokenizer
 
-        return Worker(job, Processor(job.pipeline, load_tokenizer(job.tokenizer), job.base_dir))
+        return Worker(job, Processor(job.pipeline, load_tokenizer(job.tokenizer, added_tokens=job.pipeline.added_tokens),
+                                     job.base_dir))

@@ -22,7 +22,7 @@ from astrai.data.packing import plan_bins
 from astrai.data.preprocess.job import Job, Worker
 from astrai.data.preprocess.shards import Intermediate
 from astrai.data.read import Partition
-from astrai.data.write import ShardWriter, rows_columns, trained_count
+from astrai.data.write import ShardWriter, rows_columns, table_of, trained_count
 from astrai.runtime import atomic_write_text, read_marker, run_tasks
 from astrai.schema import INPUT_IDS, LABELS
 
@@ -71,7 +71,7 @@ def pack_globally(job: Job, parts: list[Partition], workers: int, worker: Worker
         what="shards", log=log)
     n_bins = plan.n_bins
     n_shards = len(shard_ranges(bin_tokens, job.pipeline.output.max_tokens_per_shard))
-    trained = sum(read_marker(shard_marker(job, f"packed-{k:05d}"))["trained"] for k in range(n_shards))
+    trained = sum(shard_trained(job, f"packed-{k:05d}") for k in range(n_shards))
     return {"bins": n_bins, "pack_truncated_tokens": int(plan.truncated_tokens),
             "pack_truncated_docs": int(plan.truncated_docs),
             "packing_efficiency": (int(bin_tokens.sum()) / (n_bins * capacity)) if n_bins else None,
@@ -79,9 +79,20 @@ def pack_globally(job: Job, parts: list[Partition], workers: int, worker: Worker
 
 
 def shard_marker(job: Job, name: str) -> Path:
-    """A packed shard's counts, written before the shard gets its final name (so a shard that exists
-    has them, also when a rerun skips it)."""
+    """A packed shard's trained-token count, written before the shard gets its final name (so a
+    shard a rerun skips still has it). Not fsynced: it only saves counting the shard again, which
+    shard_trained does when a power loss took it."""
     return job.work / f"{name}.json"
+
+
+def shard_trained(job: Job, name: str) -> int:
+    try:
+        return int(read_marker(shard_marker(job, name))["trained"])
+    except (OSError, ValueError, KeyError):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(Path(job.out) / "data" / f"{name}.parquet")
+        return trained_count(table)
 
 
 def shard_ranges(bin_tokens: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
@@ -101,8 +112,6 @@ def write_packed_shard(worker: Worker, task: ShardTask):
     """Gather and write the shard a row group at a time: memory is one row group's tokens (the
     pieces read with pread, then their columns), whatever the shard's or the input's size. Row
     groups are the ones a single write of the whole table would make (row_group_rows bins each)."""
-    import pyarrow as pa
-
     job = worker.job
     o = job.pipeline.output
     parts: dict[int, Intermediate] = {}
@@ -130,11 +139,11 @@ def write_packed_shard(worker: Worker, task: ShardTask):
             cols = rows_columns(ids_out, lab_out if has_labels else None, task.piece_len[p0:p1],
                                 task.bin_offsets[b0:b1 + 1] - p0, o.position_ids_mode, packed=True)
             del ids_out, lab_out
-            table = pa.table(cols)
+            table = table_of(cols)
             trained += trained_count(table)
             w.write(table)
             del cols, table
-        atomic_write_text(shard_marker(job, task.name), json.dumps({"trained": trained}))
+        atomic_write_text(shard_marker(job, task.name), json.dumps({"trained": trained}), durable=False)
         w.close()
     except BaseException:
         w.abort()

@@ -77,7 +77,7 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     tok_spec = tokenizer or pipeline.tokenizer
     if not tok_spec:
         raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
-    tok = load_tokenizer(tok_spec, base_dir)
+    tok = load_tokenizer(tok_spec, base_dir, pipeline.added_tokens)  # Processor then needs no copy
     template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
     outp = Path(out)
     warnings: list[str] = []  # skipped or empty inputs, ignored settings: said, not ignored

@@ -28,8 +28,8 @@ from astrai.data.packing import plan_bins
 from astrai.data.preprocess.job import Job
 from astrai.data.process import Processor, RecordOutput, TokenSeq
 from astrai.data.read import Partition
-from astrai.data.write import (ShardWriter, concat, list_array, nested_list_array, rows_columns, trained_count,
-                               value_array)
+from astrai.data.write import (ShardWriter, concat, list_array, nested_list_array, rows_columns, table_of,
+                               trained_count, value_array)
 from astrai.runtime import atomic_write_bytes, tmp_name
 from astrai.schema import INPUT_IDS, LABELS, source_column
 
@@ -122,8 +122,6 @@ class ShardSink:
 
 def bins_table(rows: list, job: Job, proc: Processor):
     """Single-output rows: each a bin of documents (one document unpacked) and its values."""
-    import pyarrow as pa
-
     seqs = [s for bin_, _ in rows for s in bin_]
     row_offsets = np.concatenate([[0], np.cumsum([len(b) for b, _ in rows])]).astype(np.int64)
     cols = rows_columns([s.input_ids for s in seqs], [s.labels for s in seqs] if proc.has_labels else None,
@@ -132,13 +130,11 @@ def bins_table(rows: list, job: Job, proc: Processor):
                         packed=job.pipeline.preprocessing.packing_strategy != "none")
     for key in sorted({k for _, vals in rows for k in vals}):
         cols[key] = value_array([vals.get(key) for _, vals in rows], *proc.value_types[key])
-    return pa.table(cols)
+    return table_of(cols)
 
 
 def multi_output_table(outs: list[RecordOutput], proc: Processor):
     """Multi-output rows: per token source {source}_input_ids/_labels (nested for list sources), values."""
-    import pyarrow as pa
-
     cols = {}
     for name in proc.sources:
         if name not in outs[0].seqs:
@@ -157,7 +153,7 @@ def multi_output_table(outs: list[RecordOutput], proc: Processor):
                 cols[source_column(name, LABELS)] = list_array(concat([s.labels for s in seqs]), lens)
     for key in sorted({k for out in outs for k in out.values}):
         cols[key] = value_array([out.values.get(key) for out in outs], *proc.value_types[key])
-    return pa.table(cols)
+    return table_of(cols)
 
 
 # The intermediate's token files: each column's int32 tokens, documents back to back in partition

@@ -1,6 +1,7 @@
 """The tokenize pass: one input partition read, rendered, tokenized, masked, counted and written.
 
-Records go batch by batch through the Processor; each result is counted (kept / filtered /
+Records go batch by batch through the Processor (process_stream: a batch is encoded while the
+one before it is labelled and the next one rendered); each result is counted (kept / filtered /
 rejected by reason, into a `Tally`) and kept records go to a sink: straight to the partition's
 shards (unpacked, simple packing, multi-output), or to an intermediate file for global packing.
 The partition's statistics are written last, as its completion marker.
@@ -38,15 +39,9 @@ def tokenize_partition(worker: Worker, task: PartitionTask):
     rejects = []
     sink = IntermediateSink(job, part) if job.global_pack else ShardSink(job, part, proc)
     try:
-        keep = job.holdout.keep(part.file) if job.holdout is not None else None
-        for batch in read_partition(part, pp.batch_size, keep):
-            if limit is not None:
-                batch = batch[: max(limit - tally.c["read"], 0)]
-                if not batch:
-                    break
+        for batch, results in proc.process_stream(_batches(part, pp.batch_size, job, limit)):
             tally.c["read"] += len(batch)
-            good = [rec for rec, _ in batch if not isinstance(rec, RecordError)]
-            results = iter(proc.process_batch(good) if good else [])
+            results = iter(results)
             for rec, where in batch:
                 res = rec if isinstance(rec, RecordError) else next(results)
                 if isinstance(res, RecordError):
@@ -68,3 +63,16 @@ def tokenize_partition(worker: Worker, task: PartitionTask):
         atomic_write_text(job.work / f"{part.name}.rejects.jsonl",
                           "".join(json_line(r) for r in rejects))
     mark_done(job.marker(part.name), tally.summary(**extra))
+
+
+def _batches(part: Partition, batch_size: int, job, limit: Optional[int]):
+    """(batch of (record, where), its good records) for process_stream, at most `limit` records."""
+    keep = job.holdout.keep(part.file) if job.holdout is not None else None
+    read = 0
+    for batch in read_partition(part, batch_size, keep):
+        if limit is not None:
+            batch = batch[: max(limit - read, 0)]
+            if not batch:
+                return
+        read += len(batch)
+        yield batch, [rec for rec, _ in batch if not isinstance(rec, RecordError)]

@@ -2,9 +2,12 @@
 
 Fused in-place RoPE, a scatter KV write, ragged paged prefill and split-KV paged decode, all on the
 engine's paged cache and AttentionMeta directly (no gather of K/V into a dense copy). Chosen
-automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there; a
-head_dim the kernels do not serve (not a multiple of 8, or above 256) raises BackendUnavailable
-when the backend is built, with the way out.
+automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there and the
+model's head_dim is one the kernels serve (a multiple of 8, up to 256: `serves`; otherwise the
+torch backend is chosen, and building this one for such a cache raises BackendUnavailable with the
+way out). The kernels take each layer's softmax scale and
+sliding window (prefill starts each tile at its first token's window; decode splits cover only a
+request's last `window` positions).
 """
 
 from __future__ import annotations
@@ -21,10 +24,9 @@ class CudaBackend(AttentionBackend):
 
     def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], executor=None):
         super().__init__(k_cache, v_cache)
-        head_dim = k_cache[0].shape[-1] if k_cache else 0
-        if head_dim % 8 or not 0 < head_dim <= 256:
-            raise BackendUnavailable(f"the cuda kernels serve head_dim multiples of 8 up to 256, not {head_dim}; "
-                                     f"use {ENV_VAR}=torch")
+        ok, why = _head_dim_served(k_cache[0].shape[-1] if k_cache else 0)
+        if not ok:
+            raise BackendUnavailable(f"{why}; use {ENV_VAR}=torch")
         if executor is None:
             from astrai.kernels.cupy_exec import CupyExecutor
 
@@ -45,14 +47,24 @@ class CudaBackend(AttentionBackend):
             return False, "torch sees no CUDA device"
         return True, ""
 
+    @classmethod
+    def serves(cls, config) -> tuple[bool, str]:
+        return _head_dim_served(config.head_dim)
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
         return self.ops.rotary(q, k, positions, rope)
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.ops.write_kv(layer, k, v, slots)
 
-    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        return self.ops.prefill(layer, q, meta)
+    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window=None, scale=None) -> torch.Tensor:
+        return self.ops.prefill(layer, q, meta, window, scale)
 
-    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        return self.ops.decode(layer, q, meta)
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window=None, scale=None) -> torch.Tensor:
+        return self.ops.decode(layer, q, meta, window, scale)
+
+
+def _head_dim_served(head_dim: int) -> tuple[bool, str]:
+    if head_dim % 8 or not 0 < head_dim <= 256:
+        return False, f"the cuda kernels serve head_dim multiples of 8 up to 256, not {head_dim}"
+    return True, ""

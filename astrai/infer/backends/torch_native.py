@@ -8,7 +8,12 @@ and causal attention over the new tokens, merged by their log-sum-exps (the CPU 
 returns them): at 512 new tokens after 512 cached, 1.9 ms against 2.6 ms per layer and request at
 head_dim 16, 3-8% less at head_dim 64 (bench/cpu_ops.py). Decode pads all requests to the longest K/V and runs one
 SDPA call with a length mask. Slot indices and masks are derived from the meta once per step
-(kept in meta.scratch) and reused by every layer.
+(kept in meta.scratch, per window) and reused by every layer.
+
+A sliding-window layer (window W) reads only the K/V it can see: prefill gathers from position
+max(0, cached - W + 1) and attends in query blocks of W (astrai.model.attention.banded_sdpa);
+decode gathers each request's last W positions (no cascade: a shared prefix may be out of view).
+The softmax scale is the layer's (SDPA's default 1/sqrt(D) when None).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.infer.backend import AttentionBackend, AttentionMeta
+from astrai.model.attention import banded_sdpa
 
 # new tokens from which the split pays (below, the masked call is as fast and one call fewer)
 SPLIT_MIN_Q = 32
@@ -49,12 +55,12 @@ def shared_prefix_pages(pages: list[list[int]], kv_lens: list[int], page_size: i
     return n
 
 
-def _split_attention(q, k, v, cached: int) -> torch.Tensor:
+def _split_attention(q, k, v, cached: int, scale) -> torch.Tensor:
     """Bottom-right causal attention of q [1, Hq, n, D] over k/v [1, Hkv, cached + n, D] as two flash
     calls (the cached prefix, fully visible; the new tokens, causal) merged by log-sum-exp. The flash
     kernel maps query head h to K/V head h // (Hq / Hkv) itself."""
-    o1, l1 = _FLASH_CPU(q, k[:, :, :cached], v[:, :, :cached])
-    o2, l2 = _FLASH_CPU(q, k[:, :, cached:], v[:, :, cached:], is_causal=True)
+    o1, l1 = _FLASH_CPU(q, k[:, :, :cached], v[:, :, :cached], scale=scale)
+    o2, l2 = _FLASH_CPU(q, k[:, :, cached:], v[:, :, cached:], is_causal=True, scale=scale)
     return _merge(o1, l1, o2, l2, q.dtype)
 
 
@@ -81,46 +87,60 @@ def padded_kv_slots(meta: AttentionMeta, slots: torch.Tensor | None = None) -> t
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def _prefill_plan(self, meta: AttentionMeta):
-        plan = meta.scratch.get("torch_prefill")
+    def _prefill_plan(self, meta: AttentionMeta, window):
+        key = "torch_prefill" if window is None else ("torch_prefill", window)
+        plan = meta.scratch.get(key)
         if plan is None:
             slots = _page_slots(meta)
             qo, kv_lens = meta.host["qo_indptr"], meta.host["kv_lens"]
             plan = []
             for b, kv_len in enumerate(kv_lens):
                 q_len = qo[b + 1] - qo[b]
-                mask, cached = None, kv_len - q_len
-                if cached and (q_len < SPLIT_MIN_Q or _FLASH_CPU is None or slots.device.type != "cpu"):
+                mask, cached, first = None, kv_len - q_len, 0
+                if window is not None and kv_len > window:
+                    first = max(0, cached - window + 1)  # the oldest position any new token can see
+                elif cached and (q_len < SPLIT_MIN_Q or _FLASH_CPU is None or slots.device.type != "cpu"):
                     # query i sits at position cached + i
                     q_pos = torch.arange(cached, kv_len, device=slots.device)
                     mask = torch.arange(kv_len, device=slots.device)[None, :] <= q_pos[:, None]
-                plan.append((qo[b], qo[b + 1], slots[b, :kv_len], mask, cached))
-            meta.scratch["torch_prefill"] = plan
+                plan.append((qo[b], qo[b + 1], slots[b, first:kv_len], mask, cached, first))
+            meta.scratch[key] = plan
         return plan
 
-    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def prefill(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window=None, scale=None) -> torch.Tensor:
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         out = torch.empty_like(q)
         gqa = q.shape[1] != k_cache.shape[1]
-        for start, end, slots, mask, cached in self._prefill_plan(meta):
+        for start, end, slots, mask, cached, first in self._prefill_plan(meta, window):
             # 4-D on purpose: on CPU, 3-D inputs take SDPA's math path (measured 5x slower at 1k tokens)
             qb = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-            kb = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
+            kb = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len - first, D]
             vb = v_cache.index_select(0, slots).transpose(0, 1)[None]
-            if cached and mask is None:
-                o = _split_attention(qb, kb, vb, cached)
+            if window is not None and cached + (end - start) > window:
+                o = banded_sdpa(qb, kb, vb, cached, first, window, scale)
+            elif cached and mask is None:
+                o = _split_attention(qb, kb, vb, cached, scale)
             else:
                 o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
-                                                   enable_gqa=gqa)
+                                                   scale=scale, enable_gqa=gqa)
             out[start:end] = o[0].transpose(0, 1)
         return out
 
-    def _decode_plan(self, meta: AttentionMeta):
-        plan = meta.scratch.get("torch_decode")
+    def _decode_plan(self, meta: AttentionMeta, window):
+        key = "torch_decode" if window is None else ("torch_decode", window)
+        plan = meta.scratch.get(key)
         if plan is not None:
             return plan
         kv_lens, ps = meta.host["kv_lens"], meta.page_size
         slots = _page_slots(meta)
+        if window is not None and max(kv_lens) > window:
+            # each request's last `window` positions (fewer when shorter), left-aligned and length-masked
+            lens = meta.kv_lens.long()
+            idx = (lens - window).clamp(min=0)[:, None] + torch.arange(window, device=slots.device)
+            valid = idx < lens[:, None]
+            plan = ("padded", slots.gather(1, idx.clamp(max=slots.shape[1] - 1)), valid[:, None, None, :])
+            meta.scratch[key] = plan
+            return plan
         shared = 0
         if _FLASH_CPU is not None and slots.device.type == "cpu" and "pages" in meta.host:
             shared = shared_prefix_pages(meta.host["pages"], kv_lens, ps) * ps
@@ -137,7 +157,7 @@ class TorchBackend(AttentionBackend):
             slots, valid = padded_kv_slots(meta, slots)
             # a single request needs no mask: SDPA without one is faster (and exact)
             plan = ("padded", slots, None if meta.batch_size == 1 else valid[:, None, None, :])
-        meta.scratch["torch_decode"] = plan
+        meta.scratch[key] = plan
         return plan
 
     def _gather(self, layer: int, slots: torch.Tensor):
@@ -148,18 +168,18 @@ class TorchBackend(AttentionBackend):
         v = self.v_cache[layer].index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
         return k, v
 
-    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        plan = self._decode_plan(meta)
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMeta, window=None, scale=None) -> torch.Tensor:
+        plan = self._decode_plan(meta, window)
         if plan[0] == "cascade":
             _, shared_slots, own_slots, add_mask = plan
             ks, vs = self._gather(layer, shared_slots[None])  # [1, Hkv, shared, D]
             # the step's B queries as one sequence over the shared prefix, all of it visible: [1, Hq, B, D]
-            o1, l1 = _FLASH_CPU(q.transpose(0, 1)[None], ks, vs)
+            o1, l1 = _FLASH_CPU(q.transpose(0, 1)[None], ks, vs, scale=scale)
             k, v = self._gather(layer, own_slots)
-            o2, l2 = _FLASH_CPU(q[:, :, None, :], k, v, attn_mask=add_mask)  # [B, Hq, 1, D]
+            o2, l2 = _FLASH_CPU(q[:, :, None, :], k, v, attn_mask=add_mask, scale=scale)  # [B, Hq, 1, D]
             return _merge(o1[0].transpose(0, 1), l1[0].transpose(0, 1), o2[:, :, 0], l2[:, :, 0], q.dtype)
         _, slots, mask = plan
         k, v = self._gather(layer, slots)  # [B, Hkv, max_kv, D]
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=q.shape[1] != k.shape[1])
         return o[:, :, 0, :]
