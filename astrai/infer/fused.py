@@ -4,11 +4,12 @@
 them), one for gate/up and a copy of o, built from the model's own separate nn.Linear modules,
 which stay what training, LoRA and checkpoints use. These are stored input-major ([in, out],
 contiguous; x @ W rather than nn.Linear's x @ W^T on [out, in]): at one token per step MKL's
-matrix-vector product streams those shapes 1.25-1.75x faster that way on this CPU, while down
-([576, 1536] in SmolLM2) runs about 1.45x slower, so down stays the model's own weight
-(bench/cpu_ops.py --decode-weights); from 16 rows up the layouts are within a few percent.
-`forward(ids, positions, ctx)` computes what `CausalLM.forward` computes (same operations in the
-same order, so the same numbers up to the matmul's own blocking), with fewer and larger operations:
+matrix-vector product streams them faster that way on this CPU (q/k/v 1.29-1.60x, gate/up
+1.66-1.75x, o 1.05-1.26x), while down ([576, 1536] in SmolLM2) runs about 1.45x slower, so down
+stays the model's own weight (bench/cpu_ops.py --decode-weights; bench/RESULTS.md); from 16 rows
+up the layouts are within a few percent. `forward(ids, positions, ctx)` computes what
+`CausalLM.forward` computes (same operations in the same order, so the same numbers up to the
+matmul's own blocking), with fewer and larger operations:
 
     per layer: rms_norm -> qkv matmul -> RoPE in place on the q and k parts -> attention (the
     context: K/V write, decode or ragged prefill) -> o matmul + residual -> rms_norm -> gate/up
