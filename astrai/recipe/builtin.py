@@ -34,7 +34,7 @@ TOKENIZER = StageKind(
 
 PREPROCESS = StageKind(
     "preprocess", PreprocessOptions, run_preprocess_stage, produces="data",
-    refs={"tokenizer": ("tokenizer",)}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
+    refs={"tokenizer": ("tokenizer", "model")}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
     code=("astrai.data", "astrai.config", "astrai.schema", "astrai.recipe.preprocess_stage"),
     describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
     figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"),
@@ -64,6 +64,20 @@ def _eval_kind() -> StageKind:
         refs={"model": ("model",), "data": ("data",)}, path_refs=frozenset({"model"}),
         code=("astrai.infer", "astrai.model", "astrai.recipe.eval_stage"), check=check_eval,
         figures=("perplexity", "loss", "samples"))
+
+
+def _checkpoint_kind() -> StageKind:
+    from astrai.recipe.checkpoint_stage import (CheckpointOptions, check_checkpoint, checkpoint_extra,
+                                                describe_checkpoint, run_checkpoint_stage)
+
+    return StageKind(
+        "checkpoint", CheckpointOptions, run_checkpoint_stage, produces="model",
+        code=("astrai.recipe.checkpoint_stage", "astrai.model.packaged"), describe=describe_checkpoint,
+        check=check_checkpoint, extra=checkpoint_extra, figures=("architecture", "layers", "vocab_size"))
+
+
+def checkpoint_kind():
+    return _checkpoint_kind() if _installed("astrai.model") else None
 
 
 def train_kind():
