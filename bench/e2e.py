@@ -8,7 +8,14 @@ load, read, render, tokenize, mask, pack bfd 4096, write, stats; `--workers 2`, 
 partitions) against the floor, `Tokenizer.encode_batch` on the same conversations already
 rendered with the chat template (in its own fresh process, batches of 1,000, the tokenizer's own
 threads; only the encode calls are timed). tokens/s of each, the ratio whole / floor (target
->= 0.9), median of --floor-repeats runs whose order rotates.
+>= 0.9), median of --floor-repeats runs whose order rotates. `--before DIR` (an older astrai tree,
+e.g. `git archive COMMIT | tar -x -C DIR`) times that tree's whole process in the same rotation,
+for a before/after figure on the same load; every whole run's output (both trees) must be
+byte-identical. `--packing ''` measures only the floor ratio. Tokens per CPU second (the floor's
+encode calls, all threads; the whole process with its workers) are printed too: on a machine shared
+with other work the wall-clock ratio is mostly the scheduler's share, the CPU one much less. With
+default partitions (32 MiB) the 24 MiB input is one partition: the parent tokenizes it (encoding in
+a second thread), and the two workers share only the packing pass.
 
 `run_preprocess` on a JSONL file written from real ShareGPT (or chitchat) conversations, with the
 pipeline pipelines/chatml_sft.yaml (deepseek tokenizer vocabulary, bundled ChatML template), except
@@ -115,44 +122,74 @@ def floor_child(args):
     proc = Processor(pipe, load_tokenizer(TOKENIZER, str(ROOT), pipe.added_tokens), str(ROOT))
     with open(args.input, encoding="utf-8") as fh:
         texts = [proc.template.render(json.loads(line)["messages"], special_tokens=proc.special) for line in fh]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = sum(len(e.ids) for i in range(0, len(texts), 1000)
                  for e in proc.tok.tok.encode_batch(texts[i:i + 1000], add_special_tokens=False))
-    print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": tokens}))
+    print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0, "tokens": tokens}))
 
 
-def whole_process(input_path: Path, out: Path, workers: int) -> dict:
-    """`astrai preprocess` as a user runs it: wall time from start to exit, and its stats."""
-    cmd = [sys.executable, "-m", "astrai.cli", "preprocess", str(PIPELINE), "-i", str(input_path), "-o", str(out),
-           "--workers", str(workers), "--tokenizer", TOKENIZER] + [a for s in FLOOR_SETS for a in ("--set", s)]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    seconds = time.perf_counter() - t0
+def whole_process(input_path: Path, out: Path, workers: int, tree: Path = ROOT) -> dict:
+    """`astrai preprocess` as a user runs it: wall time from start to exit, its stats and the digest
+    of what it wrote. `tree`: the astrai source tree that runs (put first on PYTHONPATH)."""
+    cmd = [sys.executable, "-m", "astrai.cli", "preprocess", str(tree / PIPELINE.relative_to(ROOT)), "-i",
+           str(input_path), "-o", str(out), "--workers", str(workers), "--tokenizer", TOKENIZER]
+    cmd += [a for s in FLOOR_SETS for a in ("--set", s)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    import resource
+
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, check=True, cwd=str(tree), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)  # the process and its workers
     stats = json.loads((out / "stats.json").read_text())
+    digest, _ = output_digest(out)
     shutil.rmtree(out)
-    return {"seconds": seconds, "tokens": stats["tokens_written"]}
+    return {"seconds": seconds, "cpu": cpu, "tokens": stats["tokens_written"], "digest": digest}
 
 
-def floor_ratio(input_path: Path, tmp: Path, repeats: int) -> float:
+def floor_ratio(input_path: Path, tmp: Path, repeats: int, before: Path | None = None) -> float:
+    """Median tokens/s of the floor and of the whole process (and of `before`'s whole process, an
+    older astrai tree timed in the same rotation), and whether every whole run wrote the same bytes."""
     from statistics import median
 
-    floor, whole = [], []
-    for rep in range(repeats):  # rotated: neither side always runs first on a warmed machine
-        for side in (("floor", "whole") if rep % 2 == 0 else ("whole", "floor")):
-            if side == "floor":
-                from child import run_child as run
+    from child import run_child as run
 
+    sides = ["floor", "whole"] + (["before"] if before else [])
+    speed: dict[str, list[float]] = {s: [] for s in sides}
+    per_cpu: dict[str, list[float]] = {s: [] for s in sides}  # tokens per CPU second: less load-bound
+    digests: dict[str, set] = {s: set() for s in sides[1:]}
+    for rep in range(repeats):  # rotated: no side always runs first on a warmed machine
+        for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
+            if side == "floor":
                 res, _, _ = run([sys.executable, str(Path(__file__).resolve()), "--floor-child", "--input",
                                  str(input_path)], str(ROOT), None, "floor run")
-                floor.append(res["tokens"] / res["seconds"])
             else:
-                res = whole_process(input_path, tmp / f"whole-{rep}", 2)
-                whole.append(res["tokens"] / res["seconds"])
-    f, w = median(floor), median(whole)
-    print(f"floor  encode_batch on the rendered conversations: {f:,.0f} tokens/s (median of {repeats})")
-    print(f"astrai preprocess --workers 2, bfd 4096, whole process: {w:,.0f} tokens/s (median of {repeats})")
+                res = whole_process(input_path, tmp / f"{side}-{rep}", 2, ROOT if side == "whole" else before)
+                digests[side].add(res["digest"])
+            speed[side].append(res["tokens"] / res["seconds"])
+            per_cpu[side].append(res["tokens"] / res["cpu"])
+            print(f"  run {rep} {side}: {res['seconds']:.2f} s, {res['cpu']:.2f} CPU s, {res['tokens']:,} tokens, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    f, w = median(speed["floor"]), median(speed["whole"])
+    print(f"floor  encode_batch on the rendered conversations: {f:,.0f} tokens/s (median of {repeats}: "
+          f"{', '.join(f'{x:,.0f}' for x in speed['floor'])})")
+    print(f"astrai preprocess --workers 2, bfd 4096, whole process: {w:,.0f} tokens/s (median of {repeats}: "
+          f"{', '.join(f'{x:,.0f}' for x in speed['whole'])})")
+    if before:
+        b = median(speed["before"])
+        print(f"  the same, astrai tree {before}: {b:,.0f} tokens/s (median of {repeats}: "
+              f"{', '.join(f'{x:,.0f}' for x in speed['before'])}); floor ratio {b / f:.2f}; this tree / it: "
+              f"{w / b:.2f}x")
+    c = {side: median(v) for side, v in per_cpu.items()}
+    print(f"tokens per CPU second (medians): floor {c['floor']:,.0f}, whole {c['whole']:,.0f} (ratio "
+          f"{c['whole'] / c['floor']:.2f})" + (f", before {c['before']:,.0f} (ratio {c['before'] / c['floor']:.2f})"
+                                              if before else ""))
+    same = len(set().union(*digests.values())) == 1
+    print(f"  sha256(data/*.parquet + stats.json) of every whole run{' (both trees)' if before else ''}: "
+          f"{', '.join(sorted(d[:16] for d in set().union(*digests.values())))} "
+          f"{'identical' if same else 'DIFFER'}")
     print(f"floor ratio: {w / f:.2f} (target >= {FLOOR_TARGET}) {'PASS' if w / f >= FLOOR_TARGET else 'FAIL'}")
-    return w / f
+    return w / f if same else 0.0
 
 
 BURN = "import time\nt=time.perf_counter()\nx=0\nfor i in range(12_000_000): x+=i\nprint(time.perf_counter()-t)"
@@ -177,6 +214,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=2, help="runs per setting, interleaved; best time kept")
     ap.add_argument("--floor-repeats", type=int, default=5, help="rotated runs of the floor-ratio measurement "
                                                                  "(0: skip it)")
+    ap.add_argument("--before", type=Path, help="an older astrai source tree (e.g. from git archive) whose whole "
+                                                "process is timed in the same rotation as the floor ratio's")
     ap.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (printed)")
     # child mode (internal)
@@ -210,8 +249,8 @@ def main():
     print(f"load average now: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     failed: list[str] = []
     if args.floor_repeats:
-        if floor_ratio(input_path, tmp, args.floor_repeats) < FLOOR_TARGET:
-            failed.append("floor ratio under target")
+        if floor_ratio(input_path, tmp, args.floor_repeats, args.before) < FLOOR_TARGET:
+            failed.append("floor ratio under target (or outputs differ)")
         print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     ceil0 = parallel_ceiling()
     print(f"machine parallel ceiling now (2 CPU-bound processes / 1): {ceil0:.2f}x")

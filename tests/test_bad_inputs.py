@@ -79,6 +79,11 @@ def env(tmp_path_factory, tiny_tokenizer):
     p["oov"] = lines("oov.jsonl", {"prompt": [1, 2]}, {"prompt": [5, 99999999]})
     p["typo"] = lines("typo.jsonl", {"prompt": "hi", "sampling": {"temprature": 0.5}})
     p["bad_value"] = lines("bad_value.jsonl", {"prompt": "hi", "sampling": {"top_p": 7}})
+    p["beside"] = lines("beside.jsonl", {"prompt": "hi", "id": 7}, {"prompt": "hi", "max_tokens": 5})
+    p["beside_typo"] = lines("beside_typo.jsonl", {"prompt": "hi", "temprature": 0})
+    p["record_typo"] = lines("record_typo.jsonl", {"prompt": "hi", "samplng": {"top_p": 0.5}})
+    p["inf_temp"] = lines("inf_temp.jsonl", raw='{"prompt": "hi", "sampling": {"temperature": 1e400}}\n')
+    p["stop_oov"] = lines("stop_oov.jsonl", {"prompt": "hi", "sampling": {"stop_token_ids": [2, 10**9]}})
     p["not_object"] = lines("not_object.jsonl", {"prompt": "hi", "sampling": [1]})
     p["bad_json"] = lines("bad_json.jsonl", raw='{"prompt": "hi"}\n{oops\n')
     p["string_line"] = lines("string_line.jsonl", "hello")
@@ -170,6 +175,10 @@ CASES = [
      ["chat template", "syntax_template"]),
     ("chat_template_is_a_directory", gen("--chat", "{ok_chat}", "--chat-template", "{a_dir}"),
      ["chat_template", "a_dir", "is a directory"]),
+    ("chat_template_missing_with_a_prompt", gen("--prompt", "hi", "--chat-template", "{tmp}/none.jinja"),
+     ["chat_template", "none.jinja", "no such file"]),
+    ("chat_template_is_a_directory_with_a_prompt", gen("--prompt", "hi", "--chat-template", "{a_dir}"),
+     ["chat_template", "a_dir", "is a directory"]),
     ("chat_template_is_a_fifo", gen("--chat", "{ok_chat}", "--chat-template", "{fifo}"),
      ["chat_template", "FIFO"]),
     # prompt records
@@ -184,6 +193,16 @@ CASES = [
     ("prompt_ids_out_of_vocabulary", gen("--input", "{oov}"), ["oov.jsonl:2", "99999999", "vocabulary"]),
     ("sampling_key_typo", gen("--input", "{typo}"), ["typo.jsonl:1", "temprature", "did you mean 'temperature'"]),
     ("sampling_bad_value", gen("--input", "{bad_value}"), ["bad_value.jsonl:1", "sampling.top_p"]),
+    ("sampling_key_beside_the_prompt", gen("--input", "{beside}"),
+     ["beside.jsonl:2", "'max_tokens'", "under \"sampling\""]),
+    ("sampling_key_typo_beside_the_prompt", gen("--input", "{beside_typo}"),
+     ["beside_typo.jsonl:1", "'temprature'", "\"temperature\""]),
+    ("record_key_typo", gen("--input", "{record_typo}"), ["record_typo.jsonl:1", "'samplng'", "did you mean 'sampling'"]),
+    ("sampling_temperature_infinite", gen("--input", "{inf_temp}"), ["inf_temp.jsonl:1", "sampling.temperature"]),
+    ("stop_token_id_negative", gen("--prompt", "hi", "--stop-token-id", "-4"), ["stop_token_ids"]),
+    ("stop_token_id_out_of_vocabulary", gen("--input", "{stop_oov}"),
+     ["stop_oov.jsonl:1", "stop token id 1000000000", "vocabulary"]),
+    ("temperature_flag_infinite", gen("--prompt", "hi", "--temperature", "inf"), ["temperature"]),
     ("sampling_not_an_object", gen("--input", "{not_object}"), ["not_object.jsonl:1", "sampling must be an object"]),
     ("line_not_json", gen("--input", "{bad_json}"), ["bad_json.jsonl:2", "invalid JSON"]),
     ("line_a_string", gen("--input", "{string_line}"), ["string_line.jsonl:1", "got str"]),
@@ -204,6 +223,7 @@ CASES = [
     ("input_is_a_device", gen("--input", "/dev/zero"), ["/dev/zero", "character device"]),
     ("input_missing", gen("--input", "{tmp}/nope.jsonl"), ["nope.jsonl", "no such file"]),
     ("output_is_a_directory", gen("--prompt", "hi", "--output", "{a_dir}"), ["--output", "a_dir", "is a directory"]),
+    ("output_is_a_device", gen("--prompt", "hi", "--output", "/dev/full"), ["--output", "/dev/full", "not a regular"]),
     ("output_directory_missing", gen("--prompt", "hi", "--output", "{tmp}/no/such/out.jsonl"),
      ["--output", "does not exist"]),
     ("output_under_a_file", gen("--prompt", "hi", "--output", "{a_file}/out.jsonl"), ["--output", "not a directory"]),
@@ -212,6 +232,10 @@ CASES = [
     # data directories for eval and train
     ("eval_data_not_preprocessed", ["eval", "{ckpt}", "--data", "{a_dir}", "--device", "cpu"],
      ["a_dir", "no manifest.json"]),
+    ("eval_data_checked_before_the_model", ["eval", "{tmp}/no_ckpt", "--data", "{a_dir}", "--device", "cpu"],
+     ["a_dir", "no manifest.json"]),
+    ("eval_output_is_a_directory", ["eval", "{tmp}/no_ckpt", "--data", "{data}", "--output", "{a_dir}"],
+     ["eval output", "a_dir", "is a directory"]),
     ("eval_data_is_a_file", ["eval", "{ckpt}", "--data", "{a_file}", "--device", "cpu"], ["a_file.txt", "not a directory"]),
     ("manifest_shard_outside", ["eval", "{ckpt}", "--data", "{data_outside}", "--device", "cpu"],
      ["manifest.json", "../../../etc/passwd", "not a .parquet file in"]),

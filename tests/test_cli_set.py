@@ -9,7 +9,7 @@ from astrai.cli import build_parser, main
 from astrai.config import ConfigError, load_any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "sft.yaml")
+RECIPE = os.path.join(ROOT, "recipes", "scratch_sft.yaml")
 PIPELINE = os.path.join(ROOT, "pipelines", "chatml_sft.yaml")
 
 

@@ -59,7 +59,7 @@ def test_recipe_excerpts_match_the_bundled_recipe():
 
 def test_run_paths_in_the_readme_are_what_the_recipe_writes():
     # runs/sft/<stage>/output/<what>: a stage of recipes/sft.yaml and something that stage writes
-    writes = {"tokenizer": {""}, "preprocess": {"train", "val"}, "train": {"final", "checkpoints"}, "eval": {""}}
+    writes = {"checkpoint": {""}, "tokenizer": {""}, "preprocess": {"train", "val"}, "train": {"final", "checkpoints"}, "eval": {""}}
     kinds = {name: block.get("kind", name)
              for name, block in yaml.safe_load((ROOT / "recipes" / "sft.yaml").read_text())["stages"].items()}
     text = "\n".join(d.read_text(encoding="utf-8") for d in DOCS)

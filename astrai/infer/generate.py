@@ -34,6 +34,7 @@ import sys
 from astrai.config.infer import GenerateOptions, SamplingParams, sampling_with
 from astrai.errors import InputError, InvalidRequest
 from astrai.infer.generate_io import Item, ResultWriter, TextWriter, completion_record, open_output, read_records
+from astrai.text.template import resolve_template
 
 __all__ = ["GenerateOptions", "generate_main", "completion_record", "read_records"]
 
@@ -70,6 +71,9 @@ def generate_main(options: GenerateOptions, out=None, err=None, stdin=None) -> i
 
     out, err = out or sys.stdout, err or sys.stderr
     items = _items(options, stdin)
+    spec = options.engine.chat_template
+    if spec not in (None, "tokenizer"):  # found and compiled now (never rendered for text), not after the load
+        resolve_template(spec)
     sink = open_output(options.output) if options.output else None  # before the model is loaded
     try:
         engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)

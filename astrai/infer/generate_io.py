@@ -3,8 +3,10 @@
 - `read_records(path, chat_only, base)`: JSONL prompt records from a file or standard input (`-`),
   each checked as it is read: valid JSON, a prompt or messages of the right shape (a message
   without role or content, a number or null where a prompt belongs), and its own `sampling` keys
-  validated as the flags are. Every problem is one line naming file:line and the key. Only
-  regular files are opened (a FIFO or a directory is refused, never waited on).
+  validated as the flags are (a sampling key beside the prompt instead of under "sampling", or a
+  misspelt record key, is an error; other keys are the user's own). Every problem is one line
+  naming file:line and the key. Only regular files are opened (a FIFO or a directory is refused,
+  never waited on), and only a regular file (or a new one) is written.
 - `open_output(path)`: the --output file, opened before the model is loaded, so a directory that
   does not exist, a directory given as the file, or a path that cannot be written is found before
   any generation. Nothing in an existing file is touched until the first result is ready.
@@ -15,6 +17,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from dataclasses import dataclass
@@ -73,6 +76,7 @@ def _parse(lines, name: str, chat_only: bool, base: SamplingParams) -> list[Item
         problem = prompt_problem(prompt)
         if problem:
             raise InputError(f"{where}: {problem}" if problem.startswith("messages[") else f"{where}: {key}: {problem}")
+        _misplaced_keys(rec, where)
         over = rec.get("sampling")
         sampling_with(base, over, where)  # a typo is an error now, not after the model is loaded
         out.append(Item(prompt, over, where))
@@ -81,11 +85,33 @@ def _parse(lines, name: str, chat_only: bool, base: SamplingParams) -> list[Item
     return out
 
 
+RECORD_KEYS = ("prompt", "messages", "sampling")
+
+
+def _misplaced_keys(rec: dict, where: str) -> None:
+    """A sampling option written beside the prompt instead of under "sampling", or a misspelt record
+    key, is an error (it would be ignored); other keys (an id, metadata) are the user's own and left alone."""
+    fields = tuple(SamplingParams.model_fields)
+    for key in rec:
+        if key in RECORD_KEYS or not isinstance(key, str):
+            continue
+        near = difflib.get_close_matches(key, fields + RECORD_KEYS, n=1, cutoff=0.8)
+        if key in fields or (near and near[0] in fields):
+            name = key if key in fields else near[0]
+            raise InputError(f"{where}: {key!r} is not a record key; sampling options go under \"sampling\": "
+                             f"{{\"sampling\": {{\"{name}\": ...}}}}")
+        if near:
+            raise InputError(f"{where}: unknown record key {key!r}; did you mean {near[0]!r}?")
+
+
 def open_output(path: str):
     """The --output file, for appending; checked and opened before any work (InputError if not)."""
     p = Path(path)
     if p.is_dir():
         raise InputError(f"--output {p}: is a directory; give a file name, e.g. {p / 'results.jsonl'}")
+    if p.exists() and not p.is_file():
+        raise InputError(f"--output {p}: not a regular file (a device, FIFO or socket); give a file path "
+                         f"(for standard output, leave out --output and pass --json)")
     parent = p.parent
     if not parent.exists():
         raise InputError(f"--output {p}: the directory {parent} does not exist; create it first (mkdir -p {parent})")

@@ -20,8 +20,8 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 def check_request(ids: list[int], params: SamplingParams, vocab_size: int, from_text: bool = False) -> None:
-    """What only the model can tell about a request: its token ids exist in the vocabulary, and
-    `logprobs` asks for no more alternatives than there are tokens. InvalidRequest otherwise."""
+    """What only the model can tell about a request: its token ids and stop token ids exist in the
+    vocabulary, and `logprobs` asks for no more alternatives than there are tokens. InvalidRequest otherwise."""
     if not ids:
         raise InvalidRequest("the prompt has no tokens: give some text or token ids")
     bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
@@ -29,6 +29,9 @@ def check_request(ids: list[int], params: SamplingParams, vocab_size: int, from_
         raise InvalidRequest(
             f"token id {ids[bad]} (position {bad}) is outside the model's vocabulary (0..{vocab_size - 1})"
             + ("; the tokenizer does not belong to this model" if from_text else ""))
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"stop token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
     if params.logprobs is not None and params.logprobs > vocab_size:
         raise InvalidRequest(f"logprobs {params.logprobs}: the model has {vocab_size} tokens; ask for at most that "
                              f"many alternatives")

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from astrai.model import torch_floor  # noqa: F401  (refuses an older torch, with the fix)
 from astrai.model.rope import Rotary, apply_rotary
 
 
@@ -31,8 +32,13 @@ class AttentionContext:
     """Base class: default rotary; subclasses implement `attend`."""
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, rope: Rotary):
-        cos, sin = rope.cos_sin(position_ids)
-        return apply_rotary(q, k, cos, sin)
+        if torch.compiler.is_compiling():
+            return apply_rotary(q, k, *rope.cos_sin(position_ids))
+        # every layer of a forward passes the same position ids: gather the cos/sin rows once
+        cached = getattr(self, "_cos_sin", None)
+        if cached is None or cached[0] is not position_ids or cached[1] is not rope:
+            cached = self._cos_sin = (position_ids, rope, *rope.cos_sin(position_ids))
+        return apply_rotary(q, k, cached[2], cached[3])
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
@@ -73,9 +79,9 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optio
     # (materialised S x S scores, ~4x slower); 4-D takes the flash kernel, GQA without repeating k/v.
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
     if window is not None and window < q.shape[0]:
-        return banded_sdpa(q4, k4, v4, 0, 0, window, scale)[0].transpose(0, 1)
+        return banded_sdpa(q4, k4, v4, 0, 0, window, scale).squeeze(0).transpose(0, 1)
     o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return o[0].transpose(0, 1)
+    return o.squeeze(0).transpose(0, 1)  # not o[0]: its backward would zero-fill a full-size gradient
 
 
 class CausalContext(AttentionContext):

@@ -83,7 +83,9 @@ def data_kind(pipeline) -> str:
 def describe_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict) -> dict:
     pipeline = load_stage_pipeline(options, base_dir)
     tok = upstream.get("tokenizer")
-    if tok:
+    if tok and tok.get("checkpoint"):  # a checkpoint stage: named as the checkpoint names its own tokenizer
+        tokenizer = tok.get("tokenizer")
+    elif tok:
         tokenizer = f"stage:{tok['stage']}" if "stage" in tok else tok.get("path")
     else:
         tokenizer = pipeline.tokenizer
@@ -101,6 +103,10 @@ def check_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict)
         return [("pipeline", f"{e.file}:{p}") for p in e.problems]
     if options.tokenizer is None and not pipeline.tokenizer:
         return [("tokenizer", "the pipeline names no tokenizer; set tokenizer: to a tokenizer stage or a directory")]
+    tok = upstream.get("tokenizer") or {}
+    if tok.get("produces") == "model" and "checkpoint" not in tok and "path" not in tok:
+        return [("tokenizer", f"'{options.tokenizer}' is a train stage; name a tokenizer or checkpoint stage, or a "
+                              f"tokenizer directory")]
     return []
 
 

@@ -19,8 +19,12 @@ Stages outside the selection are never run; a selected stage that reads one of t
 and current, which is checked before any work starts. The run directory must be ours or empty
 (rundir.RunDir.claim), and one run holds it at a time.
 
+A stage's output is RUN/<stage>/output/, unless its metrics name another directory as `points_to`
+(a checkpoint stage points at the checkpoint instead of copying it): later stages read that one.
+
 The run writes RUN/summary.json and prints a table (stage, kind, status, time, key figures). A stage
-reporting `loss_curve` ({"train": [[step, loss], ...], "val": [...]}) gets a loss.png.
+reporting `loss_curve` (astrai.plot's panels: {"loss": {"train": [[step, loss], ...], "val": ...},
+"learning rate": ..., reward panels}) gets a loss.png.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from astrai.recipe.spec import RecipeSpec, StageSpec
 from astrai.recipe.table import figures_text, render_table
 
 LOSS_CURVE = "loss_curve"
+POINTS_TO = "points_to"
 
 
 def select_stages(recipe: RecipeSpec, from_stage: Optional[str] = None, only: Optional[str] = None) -> list[str]:
@@ -85,6 +90,11 @@ class Runner:
         extra = kind.extra(stage.options, self.recipe.base_dir) if kind.extra else {}
         return fpr.stage_fingerprint(kind.name, fpr.code_version(tuple(kind.code)), options, files,
                                      {**upstream, **({"extra": extra} if extra else {})})
+
+    def _output_of(self, name: str) -> Path:
+        sd = self.run_dir.stage(name)
+        pointed = _read_metrics(sd.metrics_file).get(POINTS_TO)
+        return Path(pointed) if pointed else sd.output
 
     def _path(self, value: str) -> Path:
         if value.startswith("package:"):
@@ -254,7 +264,7 @@ class Runner:
                 log_file.flush()
                 self.log(f"[{stage.name}] {message}")
 
-            inputs = {f: self.run_dir.stage(up).output for f, up in stage.refs.items()}
+            inputs = {f: self._output_of(up) for f, up in stage.refs.items()}
             inputs.update({f: self._path(v) for f, v in stage.paths.items()})
             ctx = StageContext(stage.name, stage.options, inputs, output, self.recipe.base_dir, log, resume)
             try:
@@ -269,10 +279,11 @@ class Runner:
     def _write_metrics(self, sd: StageDir, metrics: dict):
         write_json(sd.metrics_file, metrics)
         if metrics.get(LOSS_CURVE):
-            from astrai.recipe.plot import write_loss_png
+            from astrai.plot import write_plot
 
-            write_loss_png(sd.loss_png, metrics[LOSS_CURVE])
-            write_loss_png(self.run_dir.loss_png, metrics[LOSS_CURVE])
+            title = f"{self.recipe.name}: {sd.root.name}"
+            write_plot(sd.loss_png, metrics[LOSS_CURVE], title)
+            write_plot(self.run_dir.loss_png, metrics[LOSS_CURVE], title)
 
     # -- reporting ------------------------------------------------------------------------------
 

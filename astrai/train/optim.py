@@ -8,7 +8,8 @@ whole state is the step counter and a resume restores it exactly.
 - sgdr:   cosine restarts (Loshchilov & Hutter): cycles of `cycle`, `cycle * mult`, ... steps,
           each from 1 down to min_lr_ratio.
 - wsd:    warmup-stable-decay: 1 until the last `decay_ratio` of the steps, then linear to min_lr_ratio.
-Weight decay applies to matrices only (embeddings, projections), never to norm weights.
+Weight decay applies to matrices only (embeddings, projections), never to norm weights. AdamW runs
+its fused kernel where it can (`_fused`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
     decay = [p for n, p in params if p.ndim >= 2]
     no_decay = [p for n, p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=_fused(p for _, p in params) or None)
+
+
+def _fused(params) -> bool:
+    """AdamW's fused kernel (one pass over each tensor instead of ~8 foreach passes: 7.6x less CPU time
+    for the step on 40M float32 parameters, and 13% of a SmolLM2 full fine-tuning step before,
+    bench/finetune.py), where it applies: plain (not FSDP-sharded DTensor) CPU or CUDA tensors."""
+    from torch.distributed.tensor import DTensor
+
+    return all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params)
 
 
 @dataclass

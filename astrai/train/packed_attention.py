@@ -34,7 +34,10 @@ class DocumentLoopContext(AttentionContext):
         b = self.bounds
         if len(b) == 2:
             return causal_sdpa(q, k, v, window, scale)
-        return torch.cat([causal_sdpa(q[s:e], k[s:e], v[s:e], window, scale) for s, e in zip(b[:-1], b[1:]) if e > s])
+        # split, not q[s:e]: a slice's backward zero-fills a full [T, H, D] gradient per document
+        lens = [e - s for s, e in zip(b[:-1], b[1:])]
+        parts = zip(q.split(lens), k.split(lens), v.split(lens))
+        return torch.cat([causal_sdpa(qd, kd, vd, window, scale) for qd, kd, vd in parts if qd.shape[0]])
 
 
 class VarlenContext(AttentionContext):

@@ -45,7 +45,7 @@ def test_an_empty_input_warns(tmp_path, tiny_tokenizer):
 def test_the_bundled_sample_loses_almost_nothing_to_truncation(repo_root, tmp_path):
     from astrai.cli import main
 
-    recipe = str(Path(repo_root) / "recipes" / "sft.yaml")
+    recipe = str(Path(repo_root) / "recipes" / "scratch_sft.yaml")
     for stage in ("tokenizer", "preprocess"):  # not train/eval: the data is the question here
         assert main(["run", recipe, "--set", f"run_dir={tmp_path}", "--only", stage]) == 0
     for split in ("train", "val"):

@@ -199,3 +199,29 @@ def test_sft_from_a_family_checkpoint_stays_that_family(name, sft_data, tmp_path
         got = ours.logits(ours(torch.tensor(ids), torch.arange(24), CausalContext()))
     torch.testing.assert_close(got, hf_logits(back, ids), atol=1e-4, rtol=0)
     assert not torch.allclose(hf_logits(back, ids), hf_logits(hf, ids), atol=1e-3)  # it did train
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_astrai_generate_cli_token_ids_equal_transformers(name, tiny_tokenizer, tmp_path):
+    """The user's path: a transformers-written checkpoint with a tokenizer, `astrai generate --prompt
+    --temperature 0 --output FILE`: the token ids written equal transformers' greedy `generate`."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from astrai.cli import main
+
+    hf = hf_model(name, seed=30, vocab_size=400)
+    hf.save_pretrained(tmp_path / "ckpt")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer / f, tmp_path / "ckpt" / f)
+    prompt = "the quick brown fox jumps over the lazy dog, then how are you today number one two three"
+    ids = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json")).encode(prompt).ids
+    assert len(ids) > 2 * WINDOW
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                      use_cache=True)[0, len(ids):].tolist()
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", prompt, "--temperature", "0", "--max-tokens",
+                 str(NEW), "--ignore-eos", "--output", str(out), "--device", "cpu", "--page-size", "4"]) == 0
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["prompt_tokens"] == len(ids) and rec["token_ids"] == ref

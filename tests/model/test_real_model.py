@@ -22,6 +22,96 @@ def test_greedy_chat_equals_transformers(smollm2):
     assert out.text == "The capital of France is Paris."
 
 
+def _short_chats(n):
+    """The first two turns of the first n bundled chats (short rows: a few train steps stay cheap)."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[2] / "samples" / "chat.jsonl").read_text().splitlines()[:n]
+    out = []
+    for line in lines:
+        msgs = [m for m in json.loads(line)["messages"] if m["role"] != "system"][:2]
+        out.append({"messages": msgs})
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2_data(smollm2, tmp_path_factory):
+    """The bundled chats preprocessed with SmolLM2's own tokenizer and chat template (train and val)."""
+    import json
+    from pathlib import Path
+
+    from astrai.config import load_pipeline
+    from astrai.data.preprocess import run_preprocess
+
+    root = tmp_path_factory.mktemp("smol-data")
+    chats = _short_chats(40)
+    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "chat_own_template.yaml",
+                             ("preprocessing.max_packed_len=384",))
+    out = {}
+    for split, recs in (("train", chats[:32]), ("val", chats[32:])):
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        run_preprocess(pipeline, [str(root / f"{split}.jsonl")], str(root / split), tokenizer=str(smollm2),
+                       workers=1, log=lambda s: None)
+        out[split] = root / split
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_short_sft_lowers_val_loss_and_loads_in_transformers_and_peft(smollm2, smollm2_data, tmp_path, mode):
+    from pathlib import Path
+
+    from astrai.config.train import TrainOptions
+    from astrai.model import CausalContext
+    from astrai.model.adapter_files import load_checkpoint
+    from astrai.train.run import run_train
+
+    torch.set_num_threads(2)
+    extra = {"lora": {"rank": 8, "alpha": 16}, "lr": 2e-3} if mode == "lora" else {"lr": 1e-4}
+    res = run_train(TrainOptions(data=str(smollm2_data["train"]), val_data=str(smollm2_data["val"]),
+                                 output=str(tmp_path / "run"), model=str(smollm2), max_steps=4, batch_size=1,
+                                 eval_every=4, warmup_steps=0, scheduler="constant", save_every=100,
+                                 progress=False, **extra))
+    before = _val_loss(smollm2, smollm2_data["val"])
+    assert res["val_loss"] < before - 0.05, (before, res["val_loss"])
+    final = Path(res["final"])
+    ids = torch.tensor(transformers.AutoTokenizer.from_pretrained(smollm2)("Hi! How was your day?")["input_ids"])
+    ours = load_checkpoint(final).eval()
+    with torch.no_grad():
+        got = ours.logits(ours(ids, torch.arange(len(ids)), CausalContext()))
+    hf_dir = final / "merged" if mode == "lora" else final
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids[None]).logits[0], got, atol=1e-4, rtol=0)
+    if mode == "lora":
+        peft = pytest.importorskip("peft")
+        base = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+        pm = peft.PeftModel.from_pretrained(base, final).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(pm(input_ids=ids[None]).logits[0], got, atol=1e-4, rtol=0)
+
+
+def _val_loss(checkpoint, data) -> float:
+    """The mean trained-token loss of the untouched model on `data`, through transformers (each document alone)."""
+    from astrai.data.load import ShardDataset
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    total = count = 0.0
+    for row in ShardDataset(data):
+        start = 0
+        for n in row["seq_lens"].tolist():
+            ids, labels = row["input_ids"][start:start + n], row["labels"][start:start + n]
+            start += n
+            with torch.no_grad():
+                logits = hf(input_ids=ids[None]).logits[0, :-1]
+            keep = labels[1:] != -100
+            if keep.any():
+                total += float(torch.nn.functional.cross_entropy(logits[keep], labels[1:][keep], reduction="sum"))
+                count += int(keep.sum())
+    return total / count
+
+
 def test_eval_perplexity_equals_transformers_on_documents_alone(smollm2, tmp_path, capsys):
     """`astrai eval` on packed held-out chats (SmolLM2's own template and tokenizer, several documents per
     row): the same loss as transformers over the same trained tokens, each document run alone."""

