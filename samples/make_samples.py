@@ -4,10 +4,11 @@
 
 - pretrain.jsonl: {"text"} dialogue transcripts of chitchat-dataset conversations (MIT license);
 - dpo.jsonl: {"prompt", "chosen", "rejected"}: a chitchat conversation up to a user turn; chosen is
-  the reply the other speaker really gave, rejected is a reply from another conversation (the
-  preference taught: answer what was said);
+  the reply the other speaker really gave, rejected a brush-off (BRUSH_OFFS: "ok", "idk", ...) (the
+  preference taught: engage with what was said rather than brush it off);
 - grpo.jsonl: {"prompt", "completions": [{"text", "reward"}]}: arithmetic questions written by this
-  script, with candidate answers scored by a stated rule (see `reward`).
+  script that ask for an answer form (the number only, or a sentence), with the right answer in
+  three forms scored by a stated rule (see `reward`): a format reward, as GRPO recipes use.
 Conversations used here come after the 120 of chat.jsonl in id order, so the samples do not overlap.
 """
 
@@ -52,25 +53,35 @@ def pretrain(convs, budget=150_000):
     return rows
 
 
-def dpo(convs, n=240):
-    convs = convs[:n + 1]
+BRUSH_OFFS = ["ok", "idk", "lol", "whatever", "k", "sure", "no idea", "hmm", "cool", "meh"]
+
+
+def dpo(convs, n=240, seed=5):
+    rng = random.Random(seed)
     rows = []
-    for i, (cid, turns) in enumerate(convs[:n]):
+    for cid, turns in convs[:n]:
         k = 2 if len(turns) < 6 else 4  # the user turn that ends the prompt (0-based, even = user)
         prompt = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns[:k + 1])]
-        other = convs[i + 1][1]
-        j = k + 1 if k + 1 < len(other) else len(other) - 1 - (len(other) - 1) % 2 - 1  # an odd (reply) index
         rows.append({"id": cid, "source": "chitchat", "prompt": prompt,
                      "chosen": [{"role": "assistant", "content": turns[k + 1]}],
-                     "rejected": [{"role": "assistant", "content": other[j]}]})
+                     "rejected": [{"role": "assistant", "content": rng.choice(BRUSH_OFFS)}]})
     return rows
 
 
-def reward(text: str, answer: int) -> float:
-    """1.0: exactly the number; 0.5: the right number inside other words; 0.0: anything else."""
-    if text.strip() == str(answer):
+# the answer forms a question may ask for, and a form never asked for
+FORMS = {"number": ("Answer with the number only.", "{n}"),
+         "sentence": ("Answer with a sentence.", "The answer is {n}.")}
+OTHER_FORM = "I think it is {n}."
+END_OF_TURN = "<|im_end|>"  # ChatML's: completions are trained up to the end of the turn, so the model stops
+
+
+def reward(text: str, answer: int, asked: str) -> float:
+    """1.0: the right answer in the form the question asks for; 0.2: the right answer in another
+    form; 0.0: anything else."""
+    text = text.removesuffix(END_OF_TURN)
+    if text == FORMS[asked][1].format(n=answer):
         return 1.0
-    return 0.5 if str(answer) in text.replace(",", "").split() or f"{answer}." in text else 0.0
+    return 0.2 if str(answer) in text.rstrip(".").split() else 0.0
 
 
 def grpo(n=300, seed=11):
@@ -80,12 +91,14 @@ def grpo(n=300, seed=11):
         a, b = rng.randint(2, 99), rng.randint(2, 99)
         op = rng.choice("+-*")
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-        question = f"What is {a} {op} {b}? Answer with the number only."
-        candidates = [str(answer), f"The answer is {answer}.", str(answer + rng.choice([-1, 1, 10])),
-                      str(int(str(abs(answer))[::-1]) * (1 if answer >= 0 else -1))]
+        asked = rng.choice(sorted(FORMS))
+        question = f"What is {a} {op} {b}? {FORMS[asked][0]}"
+        candidates = [FORMS["number"][1], FORMS["sentence"][1], OTHER_FORM]
+        rng.shuffle(candidates)
+        texts = [c.format(n=answer) + END_OF_TURN for c in candidates]
         rows.append({"id": f"arith-{i:04d}", "source": "arithmetic",
                      "prompt": [{"role": "user", "content": question}],
-                     "completions": [{"text": t, "reward": reward(t, answer)} for t in candidates]})
+                     "completions": [{"text": t, "reward": reward(t, answer, asked)} for t in texts]})
     return rows
 
 

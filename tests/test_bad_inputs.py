@@ -232,6 +232,10 @@ CASES = [
     # data directories for eval and train
     ("eval_data_not_preprocessed", ["eval", "{ckpt}", "--data", "{a_dir}", "--device", "cpu"],
      ["a_dir", "no manifest.json"]),
+    ("eval_data_checked_before_the_model", ["eval", "{tmp}/no_ckpt", "--data", "{a_dir}", "--device", "cpu"],
+     ["a_dir", "no manifest.json"]),
+    ("eval_output_is_a_directory", ["eval", "{tmp}/no_ckpt", "--data", "{data}", "--output", "{a_dir}"],
+     ["eval output", "a_dir", "is a directory"]),
     ("eval_data_is_a_file", ["eval", "{ckpt}", "--data", "{a_file}", "--device", "cpu"], ["a_file.txt", "not a directory"]),
     ("manifest_shard_outside", ["eval", "{ckpt}", "--data", "{data_outside}", "--device", "cpu"],
      ["manifest.json", "../../../etc/passwd", "not a .parquet file in"]),

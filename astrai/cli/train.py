@@ -4,13 +4,13 @@ CONFIG is a TrainOptions mapping (astrai.config.train; the same keys as a recipe
 validated as every astrai YAML is: unknown keys with "did you mean", every problem at once with
 its line. Paths in it are relative to the file.
 
-Exit status: 0 done; 1 invalid config or data; 128 + signal when SIGTERM/SIGINT stopped training
+It ends with a short report: steps, time, loss first -> last, the held-out figures, where final/
+and the curves (OUTPUT/loss.png) are, and the next commands. Exit status: 0 done; 1 invalid config or data; 128 + signal when SIGTERM/SIGINT stopped training
 after writing a checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from pathlib import Path
@@ -75,5 +75,7 @@ def run(args) -> int:
     except TrainConfigError as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(result))
+    from astrai.train.summary import lines
+
+    print("\n".join(lines(result)))
     return 128 + signal.Signals[result["stopped"]].value if result["stopped"] else 0

@@ -129,6 +129,9 @@ class EvalOptions(BaseModel):
     data: Optional[str] = Field(None, description="preprocessed held-out directory (manifest.json, data/*.parquet); "
                                 "in a recipe, default: what the preprocess stage wrote")
     output: Optional[str] = Field(None, description="where eval.json goes; default: CHECKPOINT/eval.json")
+    ref_model: Optional[str] = Field(None, description="DPO data: the reference checkpoint (the model DPO started "
+                                     "from) for the held-out reward figures; in a recipe, a stage name")
+    beta: float = Field(0.1, gt=0, description="DPO data: beta of the implicit reward (the train stage's dpo_beta)")
     max_rows: Optional[int] = Field(None, ge=1, description="evaluate at most this many rows")
     batch_tokens: int = Field(8192, ge=1, description="tokens per perplexity forward (whole rows)")
     samples: int = Field(4, ge=0, description="sample generations for held-out prompts")

@@ -9,7 +9,7 @@ run before any work. Like the rest of astrai.config, this imports neither torch 
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
@@ -191,9 +191,13 @@ class TrainOptions(StrictModel):
 
     save_every: int = Field(100, ge=1, description="checkpoint every N optimizer steps (and at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
-    eval_every: Optional[int] = Field(None, ge=1, description="validation loss every N steps (needs val_data)")
+    eval_every: Optional[int] = Field(None, ge=1, description="validation figures every N steps (loss; DPO/GRPO held-out "
+                                       "rewards; also before the first step) (needs val_data)")
     log_every: int = Field(1, ge=1, description="metrics.jsonl line every N optimizer steps")
     progress: bool = Field(True, description="tqdm progress bar on rank 0")
+    report_to: Union[Literal["none", "tensorboard", "wandb"], list[Literal["tensorboard", "wandb"]]] = Field(
+        "none", description="where metrics go besides metrics.jsonl: tensorboard (event files in OUTPUT/runs), "
+        "wandb (offline, OUTPUT/wandb), a list of both, or none; each needs its extra installed")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint")
     skip_nonfinite_steps: int = Field(0, ge=0, description="optimizer steps with a NaN/inf loss or gradient norm "
                                                            "skipped (counted) before training stops; 0: stop at "
@@ -221,6 +225,8 @@ class TrainOptions(StrictModel):
         strategy = get_in(data, "strategy", default="sft")
         if get_in(data, "ref_model") is not None and strategy not in ("dpo", "grpo"):
             p.append((("ref_model",), f"ref_model is only used by dpo and grpo, not {strategy}"))
+        p += save_every_problems(get_in(data, "strategy", default="sft"), get_in(data, "save_every", default=100),
+                                 get_in(data, "grpo_updates", default=2))
         betas = get_in(data, "betas")
         if isinstance(betas, list) and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1
                                                                   for b in betas)):
@@ -241,3 +247,21 @@ class TrainOptions(StrictModel):
     @model_validator(mode="after")
     def _combinations(self):
         return raise_combination_problems(self)
+
+    @property
+    def reporters(self) -> list[str]:
+        """report_to as a list of tracker names (none: [])."""
+        return [] if self.report_to == "none" else [self.report_to] if isinstance(self.report_to, str) \
+            else list(dict.fromkeys(self.report_to))
+
+
+def save_every_problems(strategy, save_every, updates) -> list[tuple[tuple, str]]:
+    """A checkpoint is only taken after a drawn batch's last update (where a resume can start), so
+    with several GRPO updates per batch save_every must be a multiple of them to be exact."""
+    if strategy != "grpo" or not isinstance(save_every, int) or not isinstance(updates, int) or updates < 1 \
+            or save_every % updates == 0:
+        return []
+    lo, hi = max(updates, save_every - save_every % updates), save_every - save_every % updates + updates
+    fix = f"{lo} or {hi}" if lo != hi else str(hi)
+    return [(("save_every",), f"save_every {save_every} is not a multiple of grpo_updates {updates}: checkpoints "
+                              f"are taken after a batch's last update (where training can resume); use {fix}")]

@@ -20,8 +20,9 @@ is where a backend keeps what it derives from the meta (once per step, not once 
 
 Selection: `select_backend(device, dtype, config)` returns the first of BACKENDS (in priority order)
 that can serve the device, the dtype and the model (`supports`, then `serves(config)`: a backend
-whose kernels cannot compute a model's attention, e.g. its head_dim, refuses it so another is
-chosen, never a silently wrong result), unless one is forced: `with attn_backend("torch"): ...` (a contextvar, so per thread /
+whose kernels cannot compute a model's attention, e.g. its head_dim or its GQA group x head_dim
+within the kernels' shared memory, refuses it so another is chosen before any request, never a
+silently wrong result or a failure mid-generation), unless one is forced: `with attn_backend("torch"): ...` (a contextvar, so per thread /
 task) or else the ASTRAI_ATTN_BACKEND environment variable. A forced backend that cannot serve
 raises BackendUnavailable with its reason; it never falls back silently.
 """

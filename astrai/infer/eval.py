@@ -1,13 +1,16 @@
 """Evaluation (`astrai eval CHECKPOINT --data DIR`, and a recipe's eval stage) -> eval.json.
 
-Perplexity (token-weighted, trained tokens only) of a held-out preprocessed directory read back
-through astrai.data.load.ShardDataset (its shards verified against the manifest; refused when the
-data was made with another tokenizer than the checkpoint's: `tokenizer_problem`), packed rows
-evaluated with document isolation (see perplexity.py), plus sample generations through the engine.
-eval.json holds loss, perplexity, trained token / document / row counts, the samples and the
-generation statistics; a summary is printed.
+On single-output data, perplexity (token-weighted, trained tokens only) of a held-out preprocessed
+directory read back through astrai.data.load.ShardDataset (its shards verified against the
+manifest), packed rows evaluated with document isolation (see perplexity.py). On DPO pairs, the
+held-out reward accuracy and margin against the reference model (`ref_model`: the model DPO
+started from); on scored groups (GRPO data), the reward the model would collect choosing among
+each group's candidates (preference.py). Data made with another tokenizer than the checkpoint's
+is refused (`tokenizer_problem`). Plus sample generations through the engine. eval.json holds
+those figures, the counts, the samples and the generation statistics; a summary is printed.
 
-Samples: for `samples` held-out documents (whole documents first, not pieces that bfd_split cut
+Samples of DPO/GRPO data: the prompt of each of the first rows, the chosen (best-rewarded) answer as
+the reference. Samples of single-output data: for `samples` held-out documents (whole documents first, not pieces that bfd_split cut
 mid-text: perplexity.held_out_prompts), the prompt is the document up to its first trained token
 (for SFT: the conversation up to the assistant header), the reference is the trained text that
 followed; the engine generates from the prompt (greedy by default).
@@ -16,11 +19,13 @@ followed; the engine generates from the prompt (greedy by default).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 from pathlib import Path
 
 from astrai.config.infer import EvalOptions
+from astrai.errors import InputError
 
 
 def tokenizer_problem(manifest: dict, tokenizer, checkpoint, data) -> Optional[str]:
@@ -43,25 +48,48 @@ def tokenizer_problem(manifest: dict, tokenizer, checkpoint, data) -> Optional[s
     return None
 
 
+def _check_output(path: Path) -> None:
+    """eval.json's place can be written: not a directory, a folder that exists (or can be made) and is writable."""
+    if path.is_dir():
+        raise InputError(f"eval output {path}: is a directory; give a file name, e.g. {path / 'eval.json'}")
+    if path.exists() and not path.is_file():
+        raise InputError(f"eval output {path}: not a regular file (a device, FIFO or socket); give a file path")
+    parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise InputError(f"eval output {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"eval output {path}: {parent} is not writable; choose another --output")
+
+
 def run_eval(options: EvalOptions, out=None) -> dict:
     from astrai.data.load import ShardDataset
     from astrai.infer.engine import Engine
     from astrai.infer.perplexity import held_out_prompts, perplexity
+    from astrai.infer.preference import preference_prompts
     from astrai.infer.request import SamplingParams
 
     out = out or sys.stdout
     if options.checkpoint is None or options.data is None:
         raise ValueError("eval needs a checkpoint and --data (a preprocessed held-out directory)")
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
+    # the data and the output are checked before the model is loaded (minutes on a big checkpoint)
     dataset = ShardDataset(options.data)
-    if dataset.multi:
-        raise ValueError(f"{options.data}: a multi-output (DPO/GRPO) dataset; perplexity needs input_ids/labels rows")
+    kind = data_kind(dataset)
+    if kind == "dpo" and options.ref_model is None:
+        raise ValueError(f"{options.data} holds DPO pairs: their reward figures need the reference model (the "
+                         f"checkpoint DPO started from): give --ref-model DIR (in a recipe: ref_model: STAGE)")
+    path = Path(options.output) if options.output else Path(options.checkpoint) / "eval.json"
+    _check_output(path)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
     problem = tokenizer_problem(dataset.manifest, engine.tokenizer, options.checkpoint, options.data)
     if problem:
         raise ValueError(problem)
-    result = {"checkpoint": str(options.checkpoint), "data": str(options.data)}
-    result.update(perplexity(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device))
-    prompts = held_out_prompts(dataset, options.samples)
+    result = {"checkpoint": str(options.checkpoint), "data": str(options.data), "data_kind": kind}
+    if kind == "single":
+        result.update(perplexity(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device))
+        prompts = held_out_prompts(dataset, options.samples)
+    else:
+        result.update(preference_figures(engine, dataset, kind, options))
+        prompts = preference_prompts(dataset, options.samples)
     stops = [engine.eot_id] if engine.eot_id is not None else []
     params = [SamplingParams(max_tokens=options.sample_max_tokens, temperature=options.temperature,
                              seed=options.seed + i, stop_token_ids=stops) for i in range(len(prompts))]
@@ -71,16 +99,47 @@ def run_eval(options: EvalOptions, out=None) -> dict:
                           "completion_token_ids": c.token_ids, "finish_reason": c.finish_reason}
                          for (p, ref), c in zip(prompts, completions)]
     result["generation"] = engine.engine_stats()
-    path = Path(options.output) if options.output else Path(options.checkpoint) / "eval.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     tmp.replace(path)
-    out.write(f"[eval] perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}) on "
-              f"{result['trained_tokens']} trained tokens, {result['documents']} documents -> {path}\n")
+    out.write(f"[eval] {summary_line(result)} -> {path}\n")
     for s in result["samples"]:
         out.write(f"[eval] prompt: {s['prompt'][-200:]!r}\n       completion: {s['completion'][:200]!r}\n")
     return result
+
+
+def data_kind(dataset) -> str:
+    """single (input_ids/labels rows), dpo (pairs) or groups (GRPO data)."""
+    if not dataset.multi:
+        return "single"
+    return "dpo" if "chosen_input_ids" in dataset.columns else "groups"
+
+
+def preference_figures(engine, dataset, kind: str, options: EvalOptions) -> dict:
+    from astrai.infer.preference import dpo_eval, groups_eval
+
+    if kind == "groups":
+        return groups_eval(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device)
+    from astrai.model.adapter_files import load_checkpoint
+
+    # a checkpoint, or a LoRA adapter on its base (the reference of a LoRA DPO run is the base itself)
+    ref = load_checkpoint(Path(options.ref_model), None).to(device=engine.device,
+                                                            dtype=next(engine.model.parameters()).dtype)
+    return dpo_eval(engine.model, ref.eval(), dataset, options.beta, options.max_rows, options.batch_tokens,
+                    engine.device)
+
+
+def summary_line(r: dict) -> str:
+    if r["data_kind"] == "dpo":
+        return (f"held-out reward accuracy {r['reward_accuracy']:.3f}, margin {r['reward_margin']:.4f} (chosen "
+                f"{r['reward_chosen']:.4f}, rejected {r['reward_rejected']:.4f}) on {r['pairs']} pairs")
+    if r["data_kind"] == "groups":
+        acc = f", choice accuracy {r['policy_accuracy']:.3f}" if "policy_accuracy" in r else ""
+        return (f"held-out policy-weighted reward {r['policy_reward']:.3f} (random choice {r['reward_mean']:.3f})"
+                f"{acc} on {r['groups']} groups")
+    return (f"perplexity {r['perplexity']:.3f} (loss {r['loss']:.4f}) on {r['trained_tokens']} trained tokens, "
+            f"{r['documents']} documents")
 
 
 def add_arguments(parser) -> None:

@@ -73,6 +73,30 @@ def attn_smem_bytes(row_cap: int, head_dim: int) -> int:
     return 4 * floats
 
 
+def attention_shape_problem(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the attention kernels cannot serve this model's heads, or None. A decode block holds the
+    `group` query rows of one KV head and a prefill block at least as many (one token's), so both
+    need attn_smem_bytes(group, head_dim) <= MAX_ATTN_SMEM: checked when the engine picks its
+    backend, before any request, rather than by a launch mid-generation."""
+    if head_dim % 8 or not 0 < head_dim <= 256:
+        return f"the cuda kernels serve head_dim multiples of 8 up to 256, not {head_dim}"
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}"
+    group = num_heads // num_kv_heads
+    smem = attn_smem_bytes(group, head_dim)
+    if smem > MAX_ATTN_SMEM:
+        return (f"{group} query heads per KV head at head_dim {head_dim} need {smem} B of shared memory per "
+                f"attention block, above the kernels' {MAX_ATTN_SMEM}")
+    return None
+
+
+def _check_smem(group: int, rows: int, head_dim: int) -> int:
+    smem = attn_smem_bytes(rows, head_dim)
+    _check(smem <= MAX_ATTN_SMEM, f"{group} query heads per KV head at head_dim {head_dim} need {smem} B of shared "
+                                  f"memory per block ({rows} rows), above {MAX_ATTN_SMEM}")
+    return smem
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
@@ -192,9 +216,7 @@ def decode_launches(q, k_cache, v_cache, kv_indptr, page_indices, kv_lens, page_
         split_len = max(ATTN_TILE, math.ceil(math.ceil(max(max_kv_len, 1) / num_splits) / ATTN_TILE) * ATTN_TILE)
         splits = max(1, math.ceil(max_kv_len / split_len))
     group = hq // hkv
-    smem = attn_smem_bytes(group, head_dim)
-    _check(smem <= MAX_ATTN_SMEM, f"{group} query heads per KV head at head_dim {head_dim} need {smem} B of shared "
-                                  f"memory per block, above {MAX_ATTN_SMEM}")
+    smem = _check_smem(group, group, head_dim)
     if splits > 1:
         part = executor.empty((batch, hq, splits, head_dim), torch.float32, q.device)
         lse = executor.empty((batch, hq, splits), torch.float32, q.device)
@@ -231,12 +253,13 @@ def prefill_launch(q, k_cache, v_cache, qo_indptr, kv_indptr, page_indices, kv_l
     hkv = k_cache.shape[1]
     group = hq // hkv
     tile = tile_tokens or prefill_tile_tokens(group, head_dim)
+    smem = _check_smem(group, tile * group, head_dim)
     q_tiles = max(1, math.ceil(max_q_len / tile))
     args = (q, I64(q.stride(0)), I64(q.stride(1)), k_cache, v_cache, qo_indptr, kv_indptr, page_indices, kv_lens,
             out, I32(hq), I32(hkv), I32(head_dim), I32(page_size), I32(tile), _window(window),
             _scale_log2(scale, head_dim))
     return Launch("paged_prefill", _expr("paged_prefill", q.dtype), (q_tiles, hkv, max(batch, 1)),
-                  (ATTN_THREADS, 1, 1), attn_smem_bytes(tile * group, head_dim), args)
+                  (ATTN_THREADS, 1, 1), smem, args)
 
 
 # ---- the operations the attention backend calls ----

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from astrai.model import torch_floor  # noqa: F401  (refuses an older torch, with the fix)
 from astrai.model.rope import Rotary, apply_rotary
 
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from astrai.model import torch_floor  # noqa: F401  (refuses an older torch, with the fix)
 from astrai.model.attention import AttentionContext
 from astrai.model.config import ModelConfig
 from astrai.model.layers import MLP, Attention, RMSNorm, SparseMoE, acc_dtype, at_least_float32, embed_scale

@@ -51,8 +51,9 @@ def _train_kind() -> StageKind:
         refs={"data": ("data",), "val_data": ("data",), "model": ("model",)}, path_refs=frozenset({"model"}),
         literals={"model": tuple(PRESETS)},
         code=("astrai.train", "astrai.model", "astrai.rl", "astrai.recipe.train_stage"), describe=describe_train,
-        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop", "reward_first",
-                                    "reward_last"),
+        check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop",
+                                    "val_reward_accuracy_start", "val_reward_accuracy", "val_reward_margin",
+                                    "val_policy_reward_start", "val_policy_reward", "reward_first", "reward_last"),
         stamped=("final",), unstamped=("eval.json",), growable=GROWABLE, continues=continues_train)
 
 
@@ -61,9 +62,11 @@ def _eval_kind() -> StageKind:
 
     return StageKind(
         "eval", EvalStageOptions, run_eval_stage, produces="report",
-        refs={"model": ("model",), "data": ("data",)}, path_refs=frozenset({"model"}),
+        refs={"model": ("model",), "data": ("data",), "ref_model": ("model",)},
+        path_refs=frozenset({"model", "ref_model"}),
         code=("astrai.infer", "astrai.model", "astrai.recipe.eval_stage"), check=check_eval,
-        figures=("perplexity", "loss", "samples"))
+        figures=("perplexity", "loss", "reward_accuracy", "reward_margin", "policy_reward", "reward_mean",
+                 "policy_accuracy", "samples"))
 
 
 def _checkpoint_kind() -> StageKind:

@@ -23,7 +23,8 @@ A stage's output is RUN/<stage>/output/, unless its metrics name another directo
 (a checkpoint stage points at the checkpoint instead of copying it): later stages read that one.
 
 The run writes RUN/summary.json and prints a table (stage, kind, status, time, key figures). A stage
-reporting `loss_curve` ({"train": [[step, loss], ...], "val": [...]}) gets a loss.png.
+reporting `loss_curve` (astrai.plot's panels: {"loss": {"train": [[step, loss], ...], "val": ...},
+"learning rate": ..., reward panels}) gets a loss.png.
 """
 
 from __future__ import annotations
@@ -278,10 +279,11 @@ class Runner:
     def _write_metrics(self, sd: StageDir, metrics: dict):
         write_json(sd.metrics_file, metrics)
         if metrics.get(LOSS_CURVE):
-            from astrai.recipe.plot import write_loss_png
+            from astrai.plot import write_plot
 
-            write_loss_png(sd.loss_png, metrics[LOSS_CURVE])
-            write_loss_png(self.run_dir.loss_png, metrics[LOSS_CURVE])
+            title = f"{self.recipe.name}: {sd.root.name}"
+            write_plot(sd.loss_png, metrics[LOSS_CURVE], title)
+            write_plot(self.run_dir.loss_png, metrics[LOSS_CURVE], title)
 
     # -- reporting ------------------------------------------------------------------------------
 

@@ -11,19 +11,19 @@ run_train continues from its last checkpoint (resume: auto); the final loss equa
 uninterrupted run's because checkpoints carry the optimizer, scheduler, RNG and sampler state.
 A finished stage whose max_steps or epochs grew (nothing else changed) is continued the same way
 from a copy of its output (`continues_train`); its product, stamped for "up to date", is final/.
-The validation loss is also measured before the first step, so the summary can say by how much
-training lowered it; the stage reports `loss_curve` for the run directory's loss.png.
+The validation figures (the loss, and for DPO/GRPO the held-out reward figures) are measured
+before the first step too (astrai.train.callbacks.Metrics), so the table can say how training
+moved them; the stage reports `loss_curve` (astrai.plot's panels) for the run directory's loss.png.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 from pydantic import Field, model_validator
 
-from astrai.config.train import TrainOptions
+from astrai.config.train import TrainOptions, save_every_problems
 
 RECIPE_SET = ("output",)  # fields the recipe fills in
 
@@ -42,6 +42,8 @@ class TrainStageOptions(TrainOptions):
             raise ValueError("output is decided by the recipe (RUN/<stage>/output); remove it")
         if self.ref_model is not None and self.strategy not in ("dpo", "grpo"):
             raise ValueError(f"ref_model is only used by dpo and grpo, not {self.strategy}")
+        for _, problem in save_every_problems(self.strategy, self.save_every, self.grpo_updates):
+            raise ValueError(problem)
         return self
 
 
@@ -110,19 +112,18 @@ def run_train_stage(ctx) -> dict:
                            val_data=str(val_dir) if val_dir else None)
     options = options.with_reward_files_under(ctx.base_dir)
     metrics_file = ctx.output / "metrics.jsonl"
-    callbacks = [_InitialValidation(metrics_file)] if val_dir else []
     ctx.log(f"training {options.model} ({options.strategy}) on {train_dir}" + (f", validating on {val_dir}"
                                                                                  if val_dir else ""))
     if options.rollout is not None:
         from astrai.rl.online import run_online_grpo
 
-        result = run_online_grpo(options, callbacks=callbacks)
+        result = run_online_grpo(options)
     else:
-        result = run_train(options, callbacks=callbacks)
+        result = run_train(options)
     if result.get("stopped") is not None:
         # a signal stopped training after a checkpoint: not done; `astrai run` again resumes it
         raise KeyboardInterrupt(f"training stopped by signal {result['stopped']} at step {result['steps']}")
-    return train_metrics(result, metrics_file)
+    return train_metrics(result, metrics_file, options.strategy, online=options.rollout is not None)
 
 
 def continued_from(model: Path) -> Path:
@@ -136,55 +137,31 @@ def continued_from(model: Path) -> Path:
     return model
 
 
-def train_metrics(result: dict, metrics_file: Path) -> dict:
-    train, val, reward = [], [], []
-    if metrics_file.exists():
-        for line in metrics_file.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("loss") is not None:
-                train.append([rec["step"], rec["loss"]])
-            if rec.get("reward_mean") is not None:  # online grpo: the mean reward of the step's completions
-                reward.append([rec["step"], rec["reward_mean"]])
-            if rec.get("val_loss") is not None:
-                val.append([rec["step"], rec["val_loss"]])
+def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft", online: bool = False) -> dict:
+    """The stage's key figures (first and last of each validation figure; the drop of val_loss; for
+    online GRPO the mean reward of the first and the last 20% of the steps) and its curves for the
+    run's loss.png (astrai.plot). GRPO's validation loss is left out of the figures: with the old
+    policy equal to the current one it is -sum(advantage * tokens) plus the KL, which says nothing
+    about learning (its held-out policy-weighted reward does)."""
+    from astrai.plot import curves
+    from astrai.train.summary import figures, read_records
+
+    records = read_records(metrics_file)
+    f = figures(records)
+    out = {"steps": result.get("steps"), "train_loss": f.get("loss", result.get("loss")),
+           "val_loss": result.get("val_loss"), "checkpoint": result.get("final")}
+    if strategy == "grpo":
+        f = {k: v for k, v in f.items() if not k.startswith("val_loss")}
+        out["val_loss"] = None
+    out |= {k: v for k, v in f.items() if k.startswith("val_")}
+    if "val_loss" in f:
+        out["val_loss_drop"] = f["val_loss_start"] - f["val_loss"]
     # a resumed run may have logged a step twice (after its last checkpoint): keep the latest record
-    train = sorted({s: v for s, v in train}.items())
-    val = sorted({s: v for s, v in val}.items())
-    out = {"steps": result.get("steps"), "train_loss": result.get("loss"), "val_loss": result.get("val_loss"),
-           "checkpoint": result.get("final")}
-    if val:
-        out["val_loss_start"] = val[0][1]
-        out["val_loss"] = val[-1][1]
-        out["val_loss_drop"] = val[0][1] - val[-1][1]
-    out["loss_curve"] = {"train": [list(p) for p in train], "val": [list(p) for p in val]}
-    reward = sorted({s: v for s, v in reward}.items())
-    if reward:
+    reward = sorted({r["step"]: r["reward_mean"] for r in records if r.get("reward_mean") is not None}.items())
+    if online and reward:  # sampled by the policy itself, its rewards show learning (offline: the data's)
         fifth = max(1, len(reward) // 5)  # the mean reward of the first and the last 20% of the steps
         out["reward_first"] = sum(v for _, v in reward[:fifth]) / fifth
         out["reward_last"] = sum(v for _, v in reward[-fifth:]) / fifth
         out["reward_rise"] = out["reward_last"] - out["reward_first"]
-        out["loss_curve"]["reward"] = [list(p) for p in reward]
+    out["loss_curve"] = curves(records)
     return out
-
-
-class _InitialValidation:
-    """Validation loss before the first step (step 0), so the fall of the validation loss is measured."""
-
-    def __init__(self, metrics_file: Path):
-        self.metrics_file = metrics_file
-
-    def __getattr__(self, hook):  # every other trainer hook: nothing to do
-        if hook.startswith("on_"):
-            return lambda *args: None
-        raise AttributeError(hook)
-
-    def on_train_begin(self, trainer):
-        if trainer.state.global_step != 0:  # resumed: step 0 was measured by the first run
-            return
-        rec = {"step": 0, "val_loss": trainer.validate()}  # every rank: validate sums across ranks
-        trainer.state.history.append(rec)
-        if not trainer.dist.is_main:
-            return
-        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics_file, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")

@@ -64,18 +64,20 @@ def collate_dpo(rows: list[dict]) -> dict:
 
 def collate_grpo(rows: list[dict], eps: float = 1e-4, scale: bool = True) -> dict:
     """`scale`: advantages divided by the group's std (every loss type but dr_grpo)."""
-    ids, labels, adv, rewards = [], [], [], []
+    ids, labels, adv, rewards, sizes = [], [], [], [], []
     for r in rows:
         prompt = list(r["prompt_input_ids"])
         rw = torch.tensor(r["rewards"], dtype=torch.float32)
         adv.append(group_advantages(rw, eps, scale))
         rewards.append(rw)
+        sizes.append(len(rw))
         for comp, comp_labels in zip(r["completion_input_ids"], r["completion_labels"]):
             ids.append(prompt + list(comp))
             labels.append([IGNORE_INDEX] * len(prompt) + list(comp_labels))
     b = _flat(ids, labels)
     b["advantages"] = torch.cat(adv)
     b["rewards"] = torch.cat(rewards)
+    b["group_sizes"] = sizes
     return b
 
 
@@ -90,6 +92,7 @@ def collate_scored(groups: list[tuple]) -> dict:
     b = _flat(ids, labels)
     b["advantages"] = torch.cat([g[3] for g in groups])
     b["rewards"] = torch.cat([g[4] for g in groups])
+    b["group_sizes"] = [len(g[1]) for g in groups]
     return b
 
 

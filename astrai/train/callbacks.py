@@ -13,7 +13,8 @@ Hooks, in the order they fire (a test records it):
   on_train_end                  always, once on_train_begin has run (finally)
 
 Defaults: gradient_checkpointing, checkpoint (rank 0), metrics (JSONL + validation, rank 0),
-progress_bar (tqdm, rank 0), gradient_clipping; user callbacks run after them.
+progress_bar (tqdm over the run's optimizer steps, rank 0), gradient_clipping; user callbacks run
+after them.
 """
 
 from __future__ import annotations
@@ -91,13 +92,15 @@ class Checkpoint(Callback):
 
 
 class Metrics(Callback):
-    """One JSON line per `log_every` optimizer steps (loss, aux losses, lr, grad norm, tokens/s), and
-    whenever there is validation data, the validation loss every `eval_every` steps and once at the
-    end of a completed run (not twice when eval_every divides the last step); rank 0 writes, all
-    ranks compute."""
+    """One JSON line per `log_every` optimizer steps (loss, the strategy's figures, aux losses, lr,
+    grad norm, seconds), and whenever there is validation data, the validation figures (val_loss,
+    val_<figure>) before the first step (step 0, so a run can say how training moved them), every
+    `eval_every` steps and once at the end of a completed run (not twice when eval_every divides
+    the last step); rank 0 writes, all ranks compute. Every record also goes to the `sinks`
+    (TensorBoard, W&B: astrai.train.report)."""
 
-    def __init__(self, path: Path, log_every: int, eval_every):
-        self.path, self.log_every, self.eval_every = Path(path), log_every, eval_every
+    def __init__(self, path: Path, log_every: int, eval_every, sinks=()):
+        self.path, self.log_every, self.eval_every, self.sinks = Path(path), log_every, eval_every, list(sinks)
         self._t = 0.0
         self._validated_at = None
 
@@ -107,13 +110,17 @@ class Metrics(Callback):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
+            for sink in self.sinks:
+                sink.write(rec)
 
     def on_train_begin(self, trainer):
+        if trainer.val_dataset is not None and trainer.state.global_step == 0:  # resumed: measured by then
+            self._validate(trainer)
         self._t = time.perf_counter()
 
     def on_batch_end(self, trainer):
         s = trainer.state
-        if not s.at_boundary:
+        if not s.synced:  # every optimizer step counts, also between a GRPO batch's updates
             return
         if s.global_step % self.log_every == 0:
             now = time.perf_counter()
@@ -127,33 +134,40 @@ class Metrics(Callback):
 
     def _validate(self, trainer):
         self._validated_at = trainer.state.global_step
-        self._write(trainer, {"step": trainer.state.global_step, "val_loss": trainer.validate()})
+        # every rank: evaluate sums across ranks
+        self._write(trainer, {"step": trainer.state.global_step, **trainer.evaluate()})
 
     def on_train_end(self, trainer):
         s = trainer.state
-        if s.completed and trainer.val_dataset is not None and self._validated_at != s.global_step:
-            self._validate(trainer)
+        try:
+            if s.completed and trainer.val_dataset is not None and self._validated_at != s.global_step:
+                self._validate(trainer)
+        finally:
+            for sink in self.sinks:
+                sink.close()
 
 
 class ProgressBar(Callback):
+    """One tqdm bar over the optimizer steps that will run (max_steps or the epochs' steps, from the
+    resumed step on), so its rate and ETA are the run's; the postfix shows the epoch and the loss."""
+
     def __init__(self, enabled: bool):
         self.enabled, self.bar = enabled, None
 
-    def on_epoch_begin(self, trainer):
+    def on_train_begin(self, trainer):
         if self.enabled and trainer.dist.is_main:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=trainer.sampler.steps_per_epoch, initial=trainer.state.step_in_epoch,
-                            desc=f"epoch {trainer.state.epoch}", leave=False)
+            self.bar = tqdm(total=trainer.total_steps, initial=trainer.state.global_step, desc="train",
+                            unit="step", leave=False, dynamic_ncols=True)
 
     def on_batch_end(self, trainer):
-        if self.bar is not None and trainer.state.at_boundary:
+        if self.bar is not None and trainer.state.synced:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{trainer.state.step_metrics.get('loss', float('nan')):.4f}")
+            loss = trainer.state.step_metrics.get("loss", float("nan"))
+            self.bar.set_postfix(epoch=trainer.state.epoch, loss=f"{loss:.4f}")
 
-    def on_epoch_end(self, trainer):
+    def on_train_end(self, trainer):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-    on_train_end = on_epoch_end

@@ -22,6 +22,11 @@ and the smallest, so it is the default wherever there is more than one chunk.
 Only positions with a target are sent through the head at all (an SFT batch with 30% trained
 tokens pays 30% of the head), in every mode.
 
+Without a gradient to compute (under torch.no_grad(), as validation runs, or when neither the hidden
+states nor the head require one), the chunked and fused modes run forward only: per chunk the
+logits are reduced and dropped; no gradient buffer ([chunk, hidden] per chunk, a float32 [vocab,
+hidden] for the head) is allocated and no gradient matmul is paid.
+
 Final logit soft-capping (Gemma's final_logit_softcapping, `softcap`): the loss is taken on
 cap * tanh(z / cap) in every mode; the fused mode multiplies the logits' gradient by 1 - tanh^2.
 
@@ -73,6 +78,9 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
         return hidden.sum() * 0.0  # keeps the graph (and DDP's gradient hooks) connected
     if mode == "full" or (mode == "auto" and h.shape[0] <= chunk):
         return _ce_rows(_head(h, weight, softcap), y, smoothing).sum()
+    if mode in MODES and not _needs_grad(h, weight):
+        return sum(_chunk_ce(h[s:s + chunk], weight, y[s:s + chunk], smoothing, softcap)
+                   for s in range(0, h.shape[0], chunk))
     if mode in ("fused", "auto"):  # auto past one chunk: fused measured faster than chunked at the same peak
         return _FusedLinearCrossEntropy.apply(h, weight, y, chunk, smoothing, softcap)
     if mode == "chunked":
@@ -80,6 +88,10 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
                             use_reentrant=False) for s in range(0, h.shape[0], chunk)]
         return torch.stack(parts).sum()
     raise ValueError(f"lm_loss mode {mode!r}: choose one of {', '.join(MODES)}")
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _chunk_ce(h, weight, y, smoothing, softcap=None):
@@ -96,8 +108,9 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         return out + hidden.sum() * 0.0
     # no fused form for log-probs: auto keeps them whole up to 4 chunks (the recompute costs ~1/3 more)
     if mode in ("chunked", "fused") or (mode == "auto" and h.shape[0] > 4 * chunk):
-        lp = torch.cat([checkpoint(_chunk_logp, h[s:s + chunk], weight, y[s:s + chunk], softcap, use_reentrant=False)
-                        for s in range(0, h.shape[0], chunk)])
+        # recomputation is only worth its cost when a backward will need the chunk's logits
+        run = (lambda *a: checkpoint(_chunk_logp, *a, use_reentrant=False)) if _needs_grad(h, weight) else _chunk_logp
+        lp = torch.cat([run(h[s:s + chunk], weight, y[s:s + chunk], softcap) for s in range(0, h.shape[0], chunk)])
     else:
         lp = _chunk_logp(h, weight, y, softcap)
     return out.masked_scatter(keep, lp)

@@ -9,13 +9,16 @@ tokenizer: astrai.train.data). One run writes an output at a time: rank 0 holds 
 (astrai.runtime.output_lock) from before the first read of a checkpoint to the end, and a second
 run fails at once naming the holder. Rank 0 writes `OUTPUT/final/` (model + tokenizer: what
 transformers and `astrai generate` load; built aside and swapped in whole, never with non-finite
-weights) and `OUTPUT/metrics.jsonl`; checkpoints are under `OUTPUT/checkpoints/`.
-With `lora:`, adapters train on the frozen checkpoint and final/ holds them (astrai.train.adapters).
+weights), `OUTPUT/metrics.jsonl` and `OUTPUT/loss.png` (loss, learning rate and reward curves:
+astrai.plot); checkpoints are under `OUTPUT/checkpoints/`. With `lora:`, adapters train on the
+frozen checkpoint and final/ holds them (astrai.train.adapters). The result carries the run's
+figures (astrai.train.summary), which `astrai train` prints.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,7 +33,10 @@ from astrai.model.weights import check_fits_memory
 from astrai.train.adapters import add_adapters, base_problem, reference, write_final
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import all_sum, finish, full_model_state, setup, teardown
+from astrai.plot import curves, write_plot
+from astrai.train.report import check_reporters
 from astrai.train.resume import fsync_tree, replace_dir
+from astrai.train.summary import figures, read_records
 from astrai.config.train import TrainOptions
 from astrai.train.strategies import make_strategy
 from astrai.train.trainer import Trainer
@@ -69,6 +75,9 @@ def run_train(options: TrainOptions, callbacks=(), strategy_factory=None) -> dic
     the strategy (online GRPO: astrai.rl, which drives the inference engine)."""
     if options.data is None:
         raise TrainConfigError("data is required: the preprocessed directory to train on")
+    missing = check_reporters(options.reporters)
+    if missing:
+        raise TrainConfigError("; ".join(missing))
     dist = setup(options.device)
     try:
         with locked_output(Path(options.output), dist):
@@ -141,8 +150,10 @@ def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dic
         ref.to(device=dist.device, dtype=getattr(torch, options.dtype))
     trainer = Trainer(model, strategy, data.dataset, options, val_dataset=val.dataset if val else None,
                       callbacks=tuple(callbacks), dist=dist, write_tokenizer=data.write_tokenizer)
+    began = time.perf_counter()
     state = trainer.fit()
-    final = Path(options.output) / "final"
+    out = Path(options.output)
+    final = out / "final"
     if state.stopped is None:
         merge = options.lora is None or options.lora.merge
         # collective under fsdp; the frozen base is gathered only to be merged
@@ -155,9 +166,17 @@ def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dic
             write_final(trainer.raw_model, tmp, full, data.write_tokenizer, merge)
             fsync_tree(tmp)
             replace_dir(tmp, final)
-    last = next((r for r in reversed(state.history) if "loss" in r), {})
-    val_loss = next((r["val_loss"] for r in reversed(state.history) if "val_loss" in r), None)
+    # the whole run's records (a resumed run's file holds the earlier sessions too); rank 0 wrote them
+    records = read_records(out / "metrics.jsonl") if dist.is_main else state.history
+    plot = None
+    if dist.is_main and records:
+        plot = str(write_plot(out / "loss.png", curves(records), f"{options.strategy}: {out.name}"))
     finish(dist)  # final/ is on disk before any rank returns; and see distributed.finish
-    return {"output": str(options.output), "final": str(final) if state.stopped is None else None,
-            "steps": state.global_step, "loss": last.get("loss"), "val_loss": val_loss,
-            "stopped": state.stopped, "skipped_nonfinite": state.skipped_nonfinite}
+    f = figures(records)
+    return {"output": str(out), "final": str(final) if state.stopped is None else None,
+            "steps": state.global_step, "loss": f.get("loss"), "val_loss": f.get("val_loss"),
+            "stopped": state.stopped, "skipped_nonfinite": state.skipped_nonfinite,
+            "seconds": time.perf_counter() - began, "figures": f, "plot": plot,
+            "val_data": options.val_data, "strategy": options.strategy,
+            "ref_model": options.ref_model or (options.model if options.model not in PRESETS else None),
+            "tensorboard": str(out / "runs") if "tensorboard" in options.reporters else None}

@@ -20,6 +20,15 @@ the seed divided each micro-batch's mean by the number of micro-steps instead).
         `updates` optimizer steps on the same batch, so the clip acts from the second update on
         (with one update, pi_old = pi detached: the ratio is 1 and no extra forward is run).
 
+Metrics: each loss also returns figures for the logs. A plain number is a sum over the step's
+units (the trainer divides by them); a pair (sum, count) is a mean over its own count (groups,
+completions), summed over micro-batches and ranks before the division. DPO's are TRL's rewards/*
+(astrai.model.scores: implicit rewards of each side, accuracy, margin, log-probs), per pair.
+GRPO's: the clip fractions per completion token (`clip_low_fraction`, `clip_high_fraction`,
+counted apart; `clip_fraction` their sum), `kl`, and what shows learning (astrai.model.scores):
+`reward_mean`/`reward_std` of the batch, `policy_reward`/`policy_accuracy` (how the policy would
+choose among each group's candidates).
+
 MoE: the load-balancing loss of each forward is added as coef * aux * (micro units / step units),
 so it too sums to one weighted mean per step; task loss, aux and weighted aux are logged apart.
 """
@@ -36,6 +45,7 @@ from astrai.config.train import LOSS_CHUNK
 from astrai.schema import IGNORE_INDEX
 from astrai.train.packed_attention import packed_context
 from astrai.train.batches import collate_dpo, collate_grpo, collate_lm
+from astrai.model.scores import choice_figures, dpo_figures, reward_figures
 from astrai.model.transformer import acc_dtype
 from astrai.train import grpo_loss
 from astrai.train.lm_loss import cross_entropy_sum, token_logprobs
@@ -86,7 +96,7 @@ class Strategy:
         """Once per drawn step, before any update (reference / old-policy log-probs)."""
 
     def loss(self, model, batch: dict, env: Env) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(task loss sum, aux loss or None, metric sums)."""
+        """(task loss sum, aux loss or None, metrics: a sum over units, or a (sum, count) pair)."""
         raise NotImplementedError
 
 
@@ -136,13 +146,8 @@ class DPOStrategy(Strategy):
     def loss(self, model, batch, env):
         s, aux = self._seq_logps(model, batch, env)
         ref = batch["ref_logps"]
-        chosen = self.beta * (s[0::2] - ref[0::2])
-        rejected = self.beta * (s[1::2] - ref[1::2])
-        margin = chosen - rejected
-        losses = -F.logsigmoid(margin)
-        m = {"reward_chosen": float(chosen.detach().sum()), "reward_rejected": float(rejected.detach().sum()),
-             "reward_accuracy": float((margin > 0).float().sum()), "reward_margin": float(margin.detach().sum())}
-        return losses.sum(), aux, m
+        losses = -F.logsigmoid(self.beta * ((s[0::2] - ref[0::2]) - (s[1::2] - ref[1::2])))
+        return losses.sum(), aux, dpo_figures(s[0::2], s[1::2], ref[0::2], ref[1::2], self.beta)
 
 
 class GRPOStrategy(Strategy):
@@ -201,6 +206,9 @@ class GRPOStrategy(Strategy):
         m = {"clip_fraction": low + high, "clip_low_fraction": low, "clip_high_fraction": high}
         if "kl" in t:
             m["kl"] = float(t["kl"].detach()[valid].sum()) * scale
+        sizes = batch["group_sizes"]
+        m |= reward_figures(batch["rewards"], sizes)
+        m |= choice_figures(doc_sums(logp.detach(), batch["cu_seqlens"]), batch["rewards"].to(logp.device), sizes)
         return grpo_loss.aggregate(t["loss"], valid, doc, len(lens), self.loss_type), aux, m
 
 

@@ -10,6 +10,12 @@ reduced only on the last micro-batch (DDP no_sync, FSDP2 set_requires_gradient_s
 others: astrai.train.distributed); the optimizer and the
 scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch.
 
+Counting: `max_steps`, `log_every` and `eval_every` count optimizer steps exactly, also between
+the updates of one GRPO batch (a run with max_steps 3 and 2 updates per batch stops after 3).
+Checkpoints are taken only after a drawn batch's last update, where a resume can start, so the
+options require save_every to be a multiple of grpo_updates; a run that max_steps ends between two
+updates writes final/ but no checkpoint for that step.
+
 Resume: the state (global step, epoch, next step in the epoch) is saved with the weights,
 optimizer, scheduler and RNG at step boundaries only; the data order is a function of
 (seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would (bitwise
@@ -44,7 +50,9 @@ from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, 
 from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_sync, is_sharded, named_optimizer_state,
                                      reshard, wrap)
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
+from astrai.train.report import open_reporters
 from astrai.train.strategies import Env, Strategy
+
 
 class NonFiniteError(InputError):
     """Training stopped at a non-finite loss or gradient norm; the message names the step."""
@@ -108,7 +116,9 @@ class Trainer:
         coef = o.moe_aux_loss_coef
         self.aux_coef = self.raw_model.config.router_aux_loss_coef if coef is None else coef
         self.callbacks = [GradientCheckpointing(o.gradient_checkpointing), Checkpoint(o.save_every),
-                          Metrics(self.out / "metrics.jsonl", o.log_every, o.eval_every), ProgressBar(o.progress),
+                          Metrics(self.out / "metrics.jsonl", o.log_every, o.eval_every, sinks=open_reporters(
+                              o.reporters, self.out, o.model_dump(mode="json")) if self.dist.is_main else ()),
+                          ProgressBar(o.progress),
                           GradientClipping(o.max_grad_norm), *callbacks]
         self.write_tokenizer = write_tokenizer
         self.state = TrainState()
@@ -210,14 +220,15 @@ class Trainer:
                 signal.signal(s, h)
         return self.state
 
-    def _batches(self, window: list[list[int]]) -> list[dict]:
+    def _batches(self, window: list[list[int]], dataset=None) -> list[dict]:
         draw = getattr(self.strategy, "draw", None)
-        if draw is not None:  # a strategy that makes its batches from the rows (online GRPO samples them)
+        if draw is not None and dataset is None:  # a strategy that makes its batches from the rows (online GRPO samples them)
             out = draw(self.raw_model, window, self.state.global_step)
             return [{k: v.to(self.dist.device) if torch.is_tensor(v) else v for k, v in b.items()} for b in out]
+        dataset = self.dataset if dataset is None else dataset
         out = []
         for idx in window:
-            b = self.strategy.collate([self.dataset[i] for i in idx])
+            b = self.strategy.collate([dataset[i] for i in idx])
             out.append({k: v.to(self.dist.device) if torch.is_tensor(v) else v for k, v in b.items()})
         return out
 
@@ -230,6 +241,7 @@ class Trainer:
         step_units = max(all_sum([float(sum(units))], d)[0], 1.0)
         for update in range(self.strategy.updates):
             sums: dict[str, float] = {"loss": 0.0, "aux_loss": 0.0, "forwards": 0.0, "tokens": 0.0}
+            counts: dict[str, float] = {}
             for i, (b, n) in enumerate(zip(batches, units)):
                 last = i == len(batches) - 1
                 st.synced, st.at_boundary = False, False
@@ -244,23 +256,23 @@ class Trainer:
                     loss.backward()
                 sums["loss"] += float(task.detach())
                 sums["tokens"] += b["input_ids"].numel()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                add_metrics(sums, counts, metrics)
                 st.consumed_rows += len(window[i]) * d.world
                 if last:
-                    self._optimizer_step(sums, step_units, update == self.strategy.updates - 1)
+                    self._optimizer_step(sums, counts, step_units, update == self.strategy.updates - 1)
                 self.fire("on_batch_end")
+            if self._done():  # max_steps may fall between two updates of one drawn batch (GRPO)
+                return
 
-    def _optimizer_step(self, sums: dict, step_units: float, window_done: bool):
+    def _optimizer_step(self, sums: dict, counts: dict, step_units: float, window_done: bool):
         st = self.state
         st.synced = True
         self.fire("on_optimizer_step")  # gradient clipping measures st.grad_norm
-        keys = sorted(sums)
-        # one collective per step: the metric sums and whether any rank was asked to stop; before the
-        # optimizer moves, so every rank sees the same loss and decides alike on a non-finite one
-        values = all_sum([sums[k] for k in keys] + [float(self.stop_signal is not None)], self.dist)
-        totals, stop = dict(zip(keys, values)), values[-1] > 0
-        loss = totals["loss"] / step_units
+        # one collective per step: the metric sums and counts, and whether any rank was asked to stop;
+        # before the optimizer moves, so every rank sees the same loss and decides alike on a non-finite one
+        raw = ("tokens", "aux_loss", "forwards")
+        totals, stop = reduce_metrics(sums, counts, step_units, self.dist, float(self.stop_signal is not None), raw)
+        loss = totals.pop("loss")
         finite = math.isfinite(loss) and (st.grad_norm is None or math.isfinite(st.grad_norm))
         if finite:
             self.optimizer.step()
@@ -269,13 +281,12 @@ class Trainer:
             self._nonfinite(loss)
         self.optimizer.zero_grad(set_to_none=True)
         st.global_step += 1
-        m = {"loss": loss, "tokens": int(totals["tokens"]), "units": int(step_units)}
-        if totals["forwards"]:
-            m["aux_loss"] = totals["aux_loss"] / totals["forwards"]
+        m = {"loss": loss, "tokens": int(totals.pop("tokens")), "units": int(step_units)}
+        aux, forwards = totals.pop("aux_loss"), totals.pop("forwards")
+        if forwards:
+            m["aux_loss"] = aux / forwards
             m["aux_loss_weighted"] = self.aux_coef * m["aux_loss"]
-        for k in keys:
-            if k not in ("loss", "aux_loss", "forwards", "tokens"):
-                m[k] = totals[k] / step_units
+        m |= totals
         m.update(getattr(self.strategy, "step_metrics", None) or {})  # what the strategy measured drawing the step
         if not finite:
             m.update(skipped=True, skipped_nonfinite=st.skipped_nonfinite)
@@ -303,8 +314,14 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
+        return self.evaluate()["val_loss"]
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """On the validation data: {"val_loss", "val_<metric>" for each of the strategy's figures}
+        (for DPO the held-out reward accuracy and margin); every rank calls it (it sums across ranks)."""
         if self.val_dataset is None:
-            return float("nan")
+            return {"val_loss": float("nan")}
         self.raw_model.eval()
         d, bs = self.dist, self.opts.batch_size
         mine = list(range(d.rank, len(self.val_dataset), d.world))
@@ -312,16 +329,41 @@ class Trainer:
         # has the most rows), the ranks with fewer rows a discarded one (row 0) for each missing batch
         most = len(range(0, len(self.val_dataset), d.world)) if self.sharded else len(mine)
         n_batches = -(-most // bs)
-        total = units = 0.0
+        sums, counts, units = {"loss": 0.0}, {}, 0.0
         for s in range(0, n_batches * bs, bs):
             idx = mine[s:s + bs]
-            (b,) = self._batches([idx or [0]])
+            (b,) = self._batches([idx or [0]], self.val_dataset)
             self.strategy.prepare(self.raw_model, [b], [[-1 - i for i in idx or [0]]], self.env)
-            task, _, _ = self.strategy.loss(self.raw_model, b, self.env)
+            task, _, metrics = self.strategy.loss(self.raw_model, b, self.env)
             if idx:
-                total += float(task)
+                sums["loss"] += float(task)
+                add_metrics(sums, counts, metrics)
                 units += self.strategy.units(b)
         reshard(self.raw_model)
         self.raw_model.train()
-        total, units = all_sum([total, units], self.dist)
-        return total / max(units, 1.0)
+        totals, _ = reduce_metrics(sums, counts, max(all_sum([units], d)[0], 1.0), d)
+        return {f"val_{k}": v for k, v in totals.items()}
+
+
+def add_metrics(sums: dict, counts: dict, metrics: dict):
+    """Accumulate a loss's metrics: a number is a sum over units, a (sum, count) pair a mean of its own."""
+    for k, v in metrics.items():
+        if isinstance(v, tuple):
+            sums[k] = sums.get(k, 0.0) + v[0]
+            counts[k] = counts.get(k, 0.0) + v[1]
+        else:
+            sums[k] = sums.get(k, 0.0) + v
+
+
+def reduce_metrics(sums: dict, counts: dict, units: float, dist: Dist, flag: float = 0.0,
+                   raw: tuple = ()) -> tuple[dict, bool]:
+    """Sum over ranks (one collective), then each sum divided by its count or by the units (the
+    `raw` keys stay sums); a metric with a count of zero (e.g. no group with unequal rewards) is
+    left out. Returns (values, whether any rank raised the flag)."""
+    keys, ckeys = sorted(sums), sorted(counts)
+    values = all_sum([sums[k] for k in keys] + [counts[k] for k in ckeys] + [flag], dist)
+    total = dict(zip(keys, values))
+    count = dict(zip(ckeys, values[len(keys):]))
+    out = {k: total[k] if k in raw else total[k] / count[k] if k in count else total[k] / units
+           for k in keys if count.get(k, 1.0) > 0}
+    return out, values[-1] > 0

@@ -111,6 +111,32 @@ def test_a_head_dim_the_kernels_cannot_serve_is_refused_up_front(emu):
         CudaBackend(caches, caches, executor=emu)
 
 
+def _wide_heads_model(heads: int, kv_heads: int, seed: int = 5):
+    torch.manual_seed(seed)
+    cfg = ModelConfig.preset("tiny", hidden_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None,
+                             max_position_embeddings=256)
+    return CausalLM(cfg).eval()
+
+
+def test_head_dim_256_on_emulated_kernels_equals_torch_backend(emu_registered):
+    """head_dim 256 with 8 query heads per KV head: the largest group whose block fits; prefill runs
+    one token per block (8 rows), decode the 8 rows; greedy tokens equal the torch backend's."""
+    from astrai.kernels.launch import prefill_tile_tokens
+
+    assert prefill_tile_tokens(8, 256) == 1
+    model = _wide_heads_model(8, 1)
+    prompts = [p[:12] for p in _prompts(11, n=2)]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    outs = {}
+    for name in ("torch", "emu"):
+        with attn_backend(name):
+            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4))
+            assert engine.backend.name == name
+            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs["emu"] == outs["torch"]
+
+
 GEMMA_FULL = dict(family="gemma3_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="gelu_pytorch_tanh",
                   query_pre_attn_scalar=40.0, final_logit_softcapping=8.0, tie_word_embeddings=True,
@@ -154,6 +180,40 @@ def test_sliding_windows_on_the_emulated_kernels_equal_the_torch_backend(emu_reg
             engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=16, max_running=4))
             outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs["emu"] == outs["torch"]
+
+
+def test_a_group_whose_block_does_not_fit_is_decided_at_engine_construction(emu_registered, monkeypatch):
+    """16 query heads per KV head at head_dim 256 need 101,120 B of shared memory per block: the
+    kernels are never launched for it. Forced, the engine refuses before any request; chosen
+    automatically, the engine takes the torch backend; the launch plans refuse it too."""
+    from astrai.kernels.launch import MAX_ATTN_SMEM, attention_shape_problem, attn_smem_bytes
+
+    assert attn_smem_bytes(16, 256) == 101_120 > MAX_ATTN_SMEM >= attn_smem_bytes(8, 256)
+    assert "16 query heads per KV head at head_dim 256 need 101120 B" in attention_shape_problem(16, 1, 256)
+    assert attention_shape_problem(8, 1, 256) is None and attention_shape_problem(32, 2, 256) is not None
+    model = _wide_heads_model(16, 1)
+    with attn_backend("emu"), pytest.raises(BackendUnavailable, match="forces attention backend 'emu'.*101120 B"):
+        Engine(model, options=EngineOptions(device="cpu"))
+    # the automatic order with the (emulated) cuda kernels first: wide groups fall back, others do not
+    monkeypatch.setattr(backend_mod, "BACKENDS", {"emu": "emu_backend:EmuBackend", **backend_mod.BACKENDS})
+    assert Engine(model, options=EngineOptions(device="cpu")).backend.name == "torch"
+    assert Engine(_wide_heads_model(8, 1), options=EngineOptions(device="cpu")).backend.name == "emu"
+
+
+def test_launch_plans_refuse_a_block_above_the_shared_memory_limit(emu):
+    from astrai.kernels import launch
+
+    hkv, d = 1, 256
+    caches = torch.zeros(8, hkv, d)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    q = torch.zeros(2, 16, d)
+    with pytest.raises(ValueError, match="16 query heads per KV head at head_dim 256 need 101120 B"):
+        launch.prefill_launch(q, caches, caches, i32([0, 2]), i32([0, 1]), i32([0]), i32([2]), 8, 2, q)
+    with pytest.raises(ValueError, match="need 101120 B"):
+        launch.decode_launches(q[:1], caches, caches, i32([0, 1]), i32([0]), i32([2]), 8, 2, q[:1], emu)
+    with pytest.raises(ValueError, match="need .* B of shared memory per block \\(64 rows\\)"):
+        launch.prefill_launch(q[:, :8], caches, caches, i32([0, 2]), i32([0, 1]), i32([0]), i32([2]), 8, 2, q[:, :8],
+                              tile_tokens=8)
 
 
 def test_a_model_the_kernels_cannot_serve_goes_to_torch(emu_registered, monkeypatch):

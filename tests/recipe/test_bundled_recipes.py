@@ -51,6 +51,12 @@ def test_bundled_recipe_runs_then_skips(name, tmp_path):
     for s in summary["stages"]:
         if s["kind"] == "eval":
             report = json.loads((run_dir / s["name"] / "output" / "eval.json").read_text())
-            assert report["perplexity"] > 1 and report["samples"]
+            assert report["samples"]
+            if report["data_kind"] == "dpo":  # against the SFT model DPO started from
+                assert 0 <= report["reward_accuracy"] <= 1 and report["pairs"] > 0
+            elif report["data_kind"] == "groups":
+                assert min(report["policy_reward"], report["reward_mean"]) >= 0 and report["groups"] > 0
+            else:
+                assert report["perplexity"] > 1
     again = Runner(load_recipe_spec(recipe, overrides)[0], kinds, log=lambda m: None).run()
     assert all(s["status"] == "skipped" for s in again["stages"])

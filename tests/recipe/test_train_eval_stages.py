@@ -153,7 +153,7 @@ def test_more_steps_continue_the_finished_model_and_equal_a_straight_run(recipe,
     got = s["stages"][2]["metrics"]
     assert got["steps"] == 6 and got["train_loss"] == ref["train_loss"] and got["val_loss"] == ref["val_loss"]
     assert got["checkpoint"] == str(recipe.parent / "run" / "train" / "output" / "final")
-    curve = json.loads((recipe.parent / "run" / "train" / "metrics.json").read_text())["loss_curve"]
+    curve = json.loads((recipe.parent / "run" / "train" / "metrics.json").read_text())["loss_curve"]["loss"]
     assert [p[0] for p in curve["train"]] == [1, 2, 3, 4, 5, 6]
 
 
@@ -182,7 +182,7 @@ def test_ctrl_c_while_retraining_keeps_the_last_model(recipe):
 def test_without_eval_every_the_table_reports_the_final_validation_loss(recipe):
     s = run(recipe, ["train.eval_every=null", "train.max_steps=3"])
     m = s["stages"][2]["metrics"]
-    curve = json.loads((recipe.parent / "run" / "train" / "metrics.json").read_text())["loss_curve"]["val"]
+    curve = json.loads((recipe.parent / "run" / "train" / "metrics.json").read_text())["loss_curve"]["loss"]["val"]
     assert [p[0] for p in curve] == [0, 3]  # before the first step and once at the end
     assert m["val_loss"] == curve[-1][1] and m["val_loss_drop"] == pytest.approx(curve[0][1] - curve[-1][1])
     assert m["val_loss_drop"] != 0

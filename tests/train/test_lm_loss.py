@@ -74,6 +74,55 @@ def test_fused_bfloat16_follows_full():
     torch.testing.assert_close(w2.float(), gw, rtol=5e-2, atol=5e-2)
 
 
+class _Shapes(torch.overrides.TorchFunctionMode):
+    """Records the shape of every new tensor a torch call returns (not the inputs themselves, nor
+    views of them), and counts the matrix products."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes, self.matmuls = [], 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        self.matmuls += name in ("mm", "matmul", "__matmul__", "addmm", "addmm_")
+        inputs = {a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values()) if torch.is_tensor(a)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["auto", "chunked", "fused"])
+def test_no_grad_runs_forward_only(mode):
+    """Validation runs under no_grad with a head that requires grad: the loss equals the full-logits
+    loss, one product per chunk is computed (no gradient matmuls) and no [vocab, hidden] gradient
+    buffer or [positions, hidden] gradient is allocated."""
+    hidden, weight, targets = _setup(3, t=50, h=16, v=41)
+    n = int((targets != IGNORE_INDEX).sum())
+    ref = cross_entropy_sum(hidden.detach(), weight.detach(), targets, mode="full", smoothing=0.1)
+    with torch.no_grad(), _Shapes() as seen:
+        got = cross_entropy_sum(hidden, weight, targets, mode=mode, chunk=8, smoothing=0.1)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+    assert not got.requires_grad
+    assert seen.matmuls == -(-n // 8)
+    assert tuple(weight.shape) not in seen.shapes and (n, 16) not in seen.shapes[2:]  # [1]: hidden[keep]
+    with torch.no_grad(), _Shapes() as seen:
+        lp = token_logprobs(hidden, weight, targets, mode="chunked" if mode == "auto" else mode, chunk=8)
+    assert seen.matmuls == -(-n // 8) and tuple(weight.shape) not in seen.shapes
+    torch.testing.assert_close(lp, token_logprobs(hidden.detach(), weight.detach(), targets), atol=1e-5, rtol=0)
+
+
+def test_with_grad_the_fused_mode_still_folds_gradients_in_the_forward():
+    """The contrast that makes the no_grad test meaningful: with grad on, fused allocates the head's
+    gradient buffer and computes two extra products per chunk."""
+    hidden, weight, targets = _setup(3, t=50, h=16, v=41)
+    n = int((targets != IGNORE_INDEX).sum())
+    with _Shapes() as seen:
+        cross_entropy_sum(hidden, weight, targets, mode="fused", chunk=8)
+    assert tuple(weight.shape) in seen.shapes and seen.matmuls == 3 * -(-n // 8)
+
+
 @pytest.mark.parametrize("mode", ["full", "chunked", "fused"])
 def test_final_logit_softcapping_in_every_mode(mode):
     # Gemma's final_logit_softcapping: the loss sees cap * tanh(z / cap); the reference is autograd through it

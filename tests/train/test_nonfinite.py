@@ -90,8 +90,9 @@ def test_skip_nonfinite_steps_skips_counts_and_then_stops(tmp_path):
         _trainer(tmp_path / "stop", callbacks=[ts.NaNLossAt([3, 4, 5])], skip_nonfinite_steps=2).fit()
 
 
-@pytest.mark.parametrize("eval_every,expected", [(None, [6]), (3, [3, 6]), (4, [4, 6])])
+@pytest.mark.parametrize("eval_every,expected", [(None, [0, 6]), (3, [0, 3, 6]), (4, [0, 4, 6])])
 def test_validation_runs_once_at_the_end(tmp_path, eval_every, expected):
+    """Before the first step (step 0), every eval_every steps, and at the end unless just measured."""
     kw = {"val_data": "unused", "eval_every": eval_every} if eval_every else {}
     state = _trainer(tmp_path, val=ts.synthetic_rows(4, seed=1), **kw).fit()
     assert [r["step"] for r in state.history if "val_loss" in r] == expected

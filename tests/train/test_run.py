@@ -157,3 +157,25 @@ def test_torchrun_fsdp_equals_one_process_through_the_cli(datasets, tmp_path, st
     for k, v in w1.items():
         assert w2[k].shape == v.shape, k
         torch.testing.assert_close(w2[k], v, atol=1e-9, rtol=0)
+
+
+def test_astrai_train_ends_with_a_summary(datasets, tmp_path, capsys):
+    from astrai.cli import main
+
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(f"data: {datasets['dpo']}\nval_data: {datasets['dpo']}\noutput: run\nmodel: tiny\n"
+                   f"strategy: dpo\nbatch_size: 2\nmax_steps: 3\nepochs: 50\neval_every: 3\nprogress: false\n")
+    assert main(["train", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "run"
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in recs if "loss" in r]
+    first, last = losses[0], losses[-1]
+    assert recs[0]["step"] == 0 and recs[0]["val_reward_accuracy"] == 0.0  # before the first step: policy = reference
+    lines = out.splitlines()
+    assert lines[0].startswith("trained 3 steps in ") and lines[0].endswith(f"loss {first:.4g} -> {last:.4g}")
+    val = [r for r in recs if "val_reward_accuracy" in r]
+    assert f"held-out reward accuracy 0 -> {val[-1]['val_reward_accuracy']:.4g}" in out
+    assert f"final model: {run / 'final'}" in out and f"curves: {run / 'loss.png'}" in out
+    assert (run / "loss.png").stat().st_size > 1000
+    assert f"next: astrai generate {run / 'final'}" in out and "{" not in out  # no bare dict

@@ -5,13 +5,14 @@ columns below give p(.|0) = [1/8, 2/8, 5/8], p(.|1) = [3/5, 1/5, 1/5], p(.|2) = 
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from astrai.schema import IGNORE_INDEX
-from astrai.train.batches import collate_dpo, collate_grpo, group_advantages
-from astrai.train.strategies import DPOStrategy, Env, GRPOStrategy, LMStrategy
+from astrai.train.batches import group_advantages
+from astrai.train.strategies import DPOStrategy, Env, LMStrategy
 
 I = IGNORE_INDEX
 LOG = math.log
@@ -21,6 +22,7 @@ class Stub(torch.nn.Module):
     def __init__(self, w):
         super().__init__()
         self.lm_head = torch.nn.Linear(3, 3, bias=False)
+        self.config = SimpleNamespace(final_logit_softcapping=None)  # what the losses read of a model's config
         with torch.no_grad():
             self.lm_head.weight.copy_(w)
 
@@ -68,6 +70,9 @@ def test_dpo_by_hand():
     assert st.units(b) == 1
     assert abs(float(s.detach()) - (-LOG(1 / (1 + math.exp(-z))))) < 1e-6
     assert m["reward_accuracy"] == 1.0 and abs(m["reward_margin"] - z) < 1e-6
+    # TRL's figures: r = beta * (policy - reference) per side, the policy's summed log-probs
+    assert m["reward_chosen"] == pytest.approx(0.5 * (pc - rc)) and m["reward_rejected"] == pytest.approx(0.5 * (pr - rr))
+    assert m["logp_chosen"] == pytest.approx(pc) and m["logp_rejected"] == pytest.approx(pr)
 
 
 def test_group_advantages_by_hand():
@@ -75,36 +80,3 @@ def test_group_advantages_by_hand():
     std = math.sqrt(((0.5) ** 2 + 0.5 ** 2 + 0) / 2)  # Bessel: divide by n - 1
     torch.testing.assert_close(a, torch.tensor([0.5, -0.5, 0.0]) / (std + 1e-4))
     assert group_advantages(torch.tensor([0.3, 0.3])).abs().max() == 0
-
-
-def test_grpo_by_hand_with_clipping_and_k3():
-    rows = [{"prompt_input_ids": [0], "completion_input_ids": [[2], [1]], "completion_labels": [[2], [1]],
-             "rewards": [1.0, 0.0]}]
-    st = GRPOStrategy(uniform(), clip_eps=0.2, kl_coef=0.1, updates=2)
-    b = st.collate(rows)
-    a = 0.5 / (math.sqrt(0.5) + 1e-4)
-    torch.testing.assert_close(b["advantages"], torch.tensor([a, -a]))
-    # tokens: doc [0, 2] trains p(2|0) = 5/8 at position 0; doc [0, 1] trains p(1|0) = 2/8 at position 2
-    lp1, lp2 = LOG(5 / 8), LOG(2 / 8)
-    old = torch.zeros(4)
-    old[0], old[2] = lp1 - LOG(1.5), lp2 - LOG(0.5)      # ratios 1.5 and 0.5: both outside [0.8, 1.2]
-    ref = torch.zeros(4)
-    ref[0], ref[2] = lp1 + LOG(2), lp2                    # k3 = 2 - ln 2 - 1 for the first, 0 for the second
-    b["old_logps"], b["ref_logps"] = old, ref
-    s, _, m = st.loss(policy(), b, Env())
-    # doc 1: A = +a, min(1.5a, 1.2a) = 1.2a; doc 2: A = -a, min(-0.5a, -0.8a) = -0.8a; loss = -(min)
-    by_hand = -1.2 * a + 0.8 * a + 0.1 * (1 - LOG(2))
-    assert st.units(b) == 2
-    assert abs(float(s.detach()) - by_hand) < 1e-5
-    assert m["clip_fraction"] == 2.0
-
-
-def test_grpo_prepare_records_the_old_policy():
-    rows = [{"prompt_input_ids": [0], "completion_input_ids": [[2, 1]], "completion_labels": [[2, 1]],
-             "rewards": [1.0]}]
-    st = GRPOStrategy(None, kl_coef=0.0)
-    b = st.collate(rows)
-    st.prepare(policy(), [b], [[0]], Env())
-    s, _, m = st.loss(policy(), b, Env())
-    assert float(s.detach()) == 0.0 and m["clip_fraction"] == 0.0  # ratio 1, advantage 0 for a group of one
-    torch.testing.assert_close(b["old_logps"][:2], torch.tensor([LOG(5 / 8), LOG(1 / 3)]))

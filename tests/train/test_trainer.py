@@ -162,3 +162,25 @@ def test_moe_aux_loss_logged_apart_and_weighted(tmp_path):
     assert rec["aux_loss"] >= 1.0  # E * sum f * P is 1 for perfectly balanced routing, more otherwise
     assert rec["aux_loss_weighted"] == pytest.approx(0.02 * rec["aux_loss"])
     assert rec["loss"] > 3.0  # the task loss alone (ln 128 = 4.85 at init), not task + aux
+
+
+def test_validation_reads_the_validation_rows(tmp_path):
+    """evaluate() is the token-weighted loss of the validation rows (not of the training rows at the
+    same indices), computed here directly from the strategy on the val rows alone."""
+    from astrai.train.strategies import Env
+
+    train, val = ts.synthetic_rows(8, seed=0), ts.synthetic_rows(5, seed=7)
+    t = Trainer(ts.model(), make_strategy("sft"), train, ts.options(tmp_path, val_data="unused", eval_every=1,
+                                                                       batch_size=2),
+                val_dataset=val)
+    strat, model = make_strategy("sft"), ts.model()
+    with torch.no_grad():
+        total = units = 0.0
+        for row in val:
+            b = strat.collate([row])
+            total += float(strat.loss(model, b, Env())[0])
+            units += strat.units(b)
+        on_train = sum(float(strat.loss(model, strat.collate([r]), Env())[0]) for r in train[:5])
+    got = t.evaluate()["val_loss"]
+    assert got == pytest.approx(total / units, rel=1e-5)
+    assert abs(got - on_train / sum(strat.units(strat.collate([r])) for r in train[:5])) > 1e-3

@@ -3,9 +3,10 @@
 Fused in-place RoPE, a scatter KV write, ragged paged prefill and split-KV paged decode, all on the
 engine's paged cache and AttentionMeta directly (no gather of K/V into a dense copy). Chosen
 automatically when CuPy, a CUDA device and a supported dtype (fp16, bf16, fp32) are there and the
-model's head_dim is one the kernels serve (a multiple of 8, up to 256: `serves`; otherwise the
-torch backend is chosen, and building this one for such a cache raises BackendUnavailable with the
-way out). The kernels take each layer's softmax scale and
+model's attention is one the kernels serve (`serves`: head_dim a multiple of 8 up to 256, and a
+GQA group x head_dim whose attention block fits the kernels' shared memory; otherwise the torch
+backend is chosen before any request, and building this one for such a cache raises
+BackendUnavailable with the way out). The kernels take each layer's softmax scale and
 sliding window (prefill starts each tile at its first token's window; decode splits cover only a
 request's last `window` positions).
 """
@@ -16,7 +17,7 @@ import torch
 
 from astrai.infer.backend import ENV_VAR, AttentionBackend, AttentionMeta, BackendUnavailable
 from astrai.kernels.kernel_attention import KernelAttention
-from astrai.kernels.launch import ATTN_DTYPES
+from astrai.kernels.launch import ATTN_DTYPES, attention_shape_problem
 
 
 class CudaBackend(AttentionBackend):
@@ -49,7 +50,8 @@ class CudaBackend(AttentionBackend):
 
     @classmethod
     def serves(cls, config) -> tuple[bool, str]:
-        return _head_dim_served(config.head_dim)
+        problem = attention_shape_problem(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        return problem is None, problem or ""
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope):
         return self.ops.rotary(q, k, positions, rope)

@@ -1,9 +1,9 @@
-"""The loss-curve PNG, decoded by a small independent PNG reader written here (no PIL needed)."""
+"""The fallback loss-curve PNG (no matplotlib), decoded by a small independent PNG reader written here (no PIL needed)."""
 
 import struct
 import zlib
 
-from astrai.recipe.plot import COLORS, nice_ticks, tick_label, write_loss_png
+from astrai.plot.png import COLORS, nice_ticks, tick_label, write_loss_png
 
 
 def read_png(data: bytes):

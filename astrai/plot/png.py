@@ -1,4 +1,5 @@
-"""A loss-curve PNG with no plotting dependency: zlib + struct, a pixel canvas and a 3x5 pixel font.
+"""The fallback training plot when matplotlib is absent (astrai.plot): the loss curves only, as a
+PNG drawn with zlib + struct, a pixel canvas and a 3x5 pixel font.
 
 `write_loss_png(path, {"train": [[step, loss], ...], "val": [[step, loss], ...]})` draws each series
 as a line (validation points also as small squares, since they are sparse) against step, with axes,

@@ -1,0 +1,39 @@
+"""The default callbacks a user sees: the progress bar counts the optimizer steps that will run."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import train_script as ts  # noqa: E402
+
+from astrai.train.callbacks import Callback, ProgressBar  # noqa: E402
+from astrai.train.strategies import make_strategy  # noqa: E402
+from astrai.train.trainer import Trainer  # noqa: E402
+
+
+class BarSeen(Callback):
+    def __init__(self):
+        self.total = self.n = None
+
+    def on_batch_end(self, trainer):  # user callbacks run after the defaults: the bar is updated
+        bar = next(c for c in trainer.callbacks if isinstance(c, ProgressBar)).bar
+        self.total, self.n = bar.total, bar.n
+
+
+def _run(tmp_path, **kw):
+    seen = BarSeen()
+    t = Trainer(ts.model(), make_strategy("sft"), ts.synthetic_rows(24), ts.options(tmp_path, progress=True, **kw),
+                callbacks=(seen,))
+    t.fit()
+    return seen
+
+
+def test_the_bar_counts_max_steps_not_an_epoch(tmp_path):
+    # 24 rows / (2 x 2) = 6 steps per epoch, 5 epochs = 30 steps; max_steps 4 is what runs
+    seen = _run(tmp_path / "a", epochs=5, max_steps=4)
+    assert (seen.total, seen.n) == (4, 4)
+
+
+def test_the_bar_counts_every_epoch(tmp_path):
+    seen = _run(tmp_path / "b", epochs=2)
+    assert (seen.total, seen.n) == (12, 12)

@@ -1,0 +1,90 @@
+"""report_to: TensorBoard event files hold exactly what metrics.jsonl holds; W&B runs offline with the
+same tags; a reporter whose package is missing is refused before any work with the pip command."""
+
+import json
+import sys
+import types
+
+import pytest
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+import train_script as ts  # noqa: E402
+
+from astrai.train.report import check_reporters, tags  # noqa: E402
+from astrai.train.strategies import make_strategy  # noqa: E402
+from astrai.train.trainer import Trainer  # noqa: E402
+
+
+def _records(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tags_name_train_and_eval_metrics():
+    assert tags({"step": 3, "epoch": 0, "loss": 1.5, "lr": 1e-3, "grad_norm": None, "tokens": 40}) == {
+        "train/loss": 1.5, "train/lr": 1e-3, "train/tokens": 40.0}
+    assert tags({"step": 3, "val_loss": 2.0, "val_reward_accuracy": 0.75, "x": float("nan")}) == {
+        "eval/loss": 2.0, "eval/reward_accuracy": 0.75}
+
+
+def test_tensorboard_events_equal_the_metrics_file(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    opts = ts.options(tmp_path, epochs=1, max_steps=4, report_to="tensorboard", val_data="unused", eval_every=2)
+    Trainer(ts.model(), make_strategy("sft"), ts.synthetic_rows(24), opts, val_dataset=ts.synthetic_rows(4, 1)).fit()
+    acc = EventAccumulator(str(tmp_path / "runs"))
+    acc.Reload()
+    recs = _records(tmp_path)
+    loss = [(r["step"], r["loss"]) for r in recs if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in acc.Scalars("train/loss")] == loss
+    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in acc.Scalars("eval/loss")] == val
+    assert [e.step for e in acc.Scalars("train/lr")] == [1, 2, 3, 4] and [s for s, _ in val] == [0, 2, 4]
+
+
+def test_wandb_runs_offline_with_the_same_tags(tmp_path, monkeypatch):
+    calls = {"log": []}
+
+    class Run:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["finished"] = True
+
+    def init(**kw):
+        calls["init"] = kw
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    opts = ts.options(tmp_path, epochs=1, max_steps=2, report_to=["wandb"])
+    Trainer(ts.model(), make_strategy("sft"), ts.synthetic_rows(24), opts).fit()
+    assert calls["init"]["mode"] == "offline" and calls["init"]["dir"] == str(tmp_path)
+    assert calls["init"]["config"]["max_steps"] == 2 and calls["finished"]
+    assert [(s, d["train/loss"]) for s, d in calls["log"]] == [(r["step"], r["loss"]) for r in _records(tmp_path)]
+
+
+def test_a_missing_reporter_is_refused_before_work(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert check_reporters(["tensorboard"]) == []
+    (problem,) = check_reporters(["tensorboard", "wandb"])
+    assert "report_to: wandb needs the wandb package: pip install 'astrai[wandb]'" in problem
+
+    from astrai.train.run import TrainConfigError, run_train
+
+    with pytest.raises(TrainConfigError, match=r"pip install 'astrai\[wandb\]'"):
+        run_train(ts.options(tmp_path / "out", report_to="wandb"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_to_accepts_none_one_or_a_list(tmp_path):
+    from pydantic import ValidationError
+
+    assert ts.options(tmp_path).reporters == []
+    assert ts.options(tmp_path, report_to="tensorboard").reporters == ["tensorboard"]
+    assert ts.options(tmp_path, report_to=["wandb", "tensorboard", "wandb"]).reporters == ["wandb", "tensorboard"]
+    with pytest.raises(ValidationError):
+        ts.options(tmp_path, report_to="mlflow")
