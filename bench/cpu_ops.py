@@ -11,6 +11,13 @@ Shapes: the bench/generate.py models (tiny: head_dim 16, hidden 64; small: head_
 4 query heads over 2 K/V heads), 16 sequences, the deepseek vocabulary size (129,282).
 
 Run: python bench/cpu_ops.py [--repeats 30]
+
+    python bench/cpu_ops.py --decode-weights [--threads 2]
+
+times instead each projection of SmolLM2-135M's 30 layers (q/k/v fused, o, gate/up fused, down;
+random float32 values) at 1, 16 and 256 rows, as nn.Linear computes it (x @ W^T, W [out, in])
+against an input-major copy (x @ W, W [in, out] contiguous), in process CPU seconds (steadier than
+wall-clock on a loaded machine): what astrai.infer.fused's choice of layouts rests on.
 """
 
 from __future__ import annotations
@@ -44,10 +51,41 @@ def row(what: str, base: float, new: float):
     print(f"{what:58s} baseline {base:8.3f} ms   astrai {new:8.3f} ms   {base / new:5.2f}x")
 
 
+def decode_weights(threads: int, repeats: int) -> None:
+    torch.set_num_threads(threads)
+    hidden, inter, layers = 576, 1536, 30
+    shapes = {"q/k/v": (576 + 2 * 192, hidden), "o": (hidden, hidden), "gate/up": (2 * inter, hidden),
+              "down": (hidden, inter)}
+    clock = time.process_time
+    print(f"{threads} threads, process CPU ms for the 30 layers' projection (best of {repeats})")
+    for rows in (1, 16, 256):
+        for name, (out, inp) in shapes.items():
+            ws = [torch.randn(out, inp) for _ in range(layers)]
+            ws_t = [w.t().contiguous() for w in ws]
+            x = torch.randn(rows, inp)
+            linear = lambda: [F.linear(x, w) for w in ws]  # noqa: E731
+            input_major = lambda: [x @ w for w in ws_t]  # noqa: E731
+            torch.testing.assert_close(linear()[0], input_major()[0], atol=1e-3, rtol=1e-4)
+            times = {"linear": [], "input-major": []}
+            with torch.inference_mode():
+                for _ in range(repeats):  # interleaved, so a change in the machine's load hits both
+                    for k, fn in (("linear", linear), ("input-major", input_major)):
+                        t = clock()
+                        fn()
+                        times[k].append(clock() - t)
+            base, new = (min(times[k]) * 1e3 for k in ("linear", "input-major"))
+            print(f"{rows:4d} rows, {name:8s} [{out}, {inp}] x {layers}: x @ W^T on [out, in] {base:8.1f} ms   "
+                  f"x @ W on [in, out] {new:8.1f} ms   {base / new:5.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--decode-weights", action="store_true", help="the decode step's projections, two layouts")
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
+    if a.decode_weights:
+        return decode_weights(a.threads, min(a.repeats, 10))
     torch.set_num_threads(1)
     torch.manual_seed(0)
     for d in (16, 64):

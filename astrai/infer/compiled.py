@@ -32,11 +32,14 @@ def decode_layer_fn(hq: int, hkv: int, d: int, eps: float):
     group = hq // hkv
     scale = d ** -0.5
 
-    def layer(x, ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w, cos, sin, k_cache, v_cache, write_slots, kv_slots,
+    def layer(x, ln1, qkv_t, qkv_b, o_t, ln2, gu_t, down_t, cos, sin, k_cache, v_cache, write_slots, kv_slots,
               kv_bias):
         b = x.shape[0]
         h = F.rms_norm(x, x.shape[-1:], ln1, eps)
-        qkv = F.linear(h, qkv_w, qkv_b).view(b, hq + 2 * hkv, d)
+        qkv = h @ qkv_t
+        if qkv_b is not None:
+            qkv = qkv + qkv_b
+        qkv = qkv.view(b, hq + 2 * hkv, d)
         qk = qkv[:, :hq + hkv]
         qk = qk * cos + qk.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2) * sin
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
@@ -47,11 +50,11 @@ def decode_layer_fn(hq: int, hkv: int, d: int, eps: float):
         scores = (q.reshape(b, 1, hkv, group, d) * keys[:, :, :, None, :]).sum(-1) * scale  # [B, L, Hkv, G]
         p = torch.softmax(scores + kv_bias[:, :, None, None], dim=1)
         o = (p[..., None] * values[:, :, :, None, :]).sum(1).reshape(b, hq * d)
-        x = x + F.linear(o, o_w)
+        x = x + o @ o_t
         h = F.rms_norm(x, x.shape[-1:], ln2, eps)
-        gu = F.linear(h, gu_w)
+        gu = h @ gu_t
         inter = gu.shape[-1] // 2
-        return x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w)
+        return x + (F.silu(gu[:, :inter]) * gu[:, inter:]) @ down_t
 
     return layer
 
@@ -70,7 +73,7 @@ class CompiledDecode:
         x = model.model.embed_tokens(input_ids)
         cos, sin = tables
         for i, w in enumerate(self.fused.layers):
-            x = self.layer(x, w.ln1, w.qkv, w.qkv_bias, w.o, w.ln2, w.gate_up, w.down, cos, sin,
+            x = self.layer(x, w.ln1, w.qkv_t, w.qkv_bias, w.o_t, w.ln2, w.gate_up_t, w.down_t, cos, sin,
                            self.k_cache[i], self.v_cache[i], write_slots, kv_slots, kv_bias)
         return rms_norm(x, model.model.norm.weight, self.fused.eps)
 

@@ -1,10 +1,15 @@
 """The engine's forward on fused projection weights: q/k/v in one matmul, gate/up in one.
 
-`FusedModel(model)` keeps, per layer, one [(Hq + 2 Hkv) * D, H] weight for q/k/v (and their
-biases, when the model has them) and one [2 I, H] weight for gate/up, built from the model's own
-separate nn.Linear modules, which stay what training, LoRA and checkpoints use. `forward(ids,
-positions, ctx)` computes what `CausalLM.forward` computes (same operations in the same order, so
-the same numbers up to the matmul's own blocking), with fewer and larger operations:
+`FusedModel(model)` keeps, per layer, one weight for q/k/v (and their biases, when the model has
+them), one for gate/up and a copy of o, built from the model's own separate nn.Linear modules,
+which stay what training, LoRA and checkpoints use. These are stored input-major ([in, out],
+contiguous; x @ W rather than nn.Linear's x @ W^T on [out, in]): at one token per step MKL's
+matrix-vector product streams them faster that way on this CPU (q/k/v 1.29-1.60x, gate/up
+1.66-1.75x, o 1.05-1.26x), while down ([576, 1536] in SmolLM2) runs about 1.45x slower, so down
+stays the model's own weight (bench/cpu_ops.py --decode-weights; bench/RESULTS.md); from 16 rows
+up the layouts are within a few percent. `forward(ids, positions, ctx)` computes what
+`CausalLM.forward` computes (same operations in the same order, so the same numbers up to the
+matmul's own blocking), with fewer and larger operations:
 
     per layer: rms_norm -> qkv matmul -> RoPE in place on the q and k parts -> attention (the
     context: K/V write, decode or ragged prefill) -> o matmul + residual -> rms_norm -> gate/up
@@ -16,8 +21,8 @@ same products and sum as Hugging Face's x * cos + rotate_half(x) * sin (a negati
 
 Weights change in place (an optimizer step, `load_state_dict`) or are replaced (`param.data = ...`):
 `WeightWatch` sees either (each parameter's data pointer and version counter), and the runner
-calls `rebuild()` before the next step (astrai.infer.runner). The copies cost the q/k/v and
-gate/up weights' size once more in memory.
+calls `rebuild()` before the next step (astrai.infer.runner). The copies cost the layers' projection
+weights but down once more in memory (319 MB for SmolLM2-135M in float32).
 
 `unsupported(model)` says why a model must take the reference path (the model's own forward):
 a mixture of experts, a projection that is not a plain nn.Linear (LoRA-wrapped), or a config field
@@ -72,17 +77,19 @@ def unsupported(model) -> Optional[str]:
 
 @dataclass
 class FusedLayer:
+    """One layer's weights for the fused forward (see the module docstring for the layouts)."""
     ln1: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv_t: torch.Tensor  # [H, (Hq + 2 Hkv) * D]
     qkv_bias: Optional[torch.Tensor]
-    o: torch.Tensor  # [H, Hq * D]
+    o_t: torch.Tensor  # [Hq * D, H]
     ln2: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up_t: torch.Tensor  # [H, 2 I]
+    down_t: torch.Tensor  # [I, H]: a transposed view of the model's [H, I] weight, no copy
 
-    def __post_init__(self):
-        # transposed views for addmm (x + h @ W^T), made once rather than per step
-        self.o_t, self.down_t = self.o.t(), self.down.t()
+
+def _input_major(*linears: nn.Linear) -> torch.Tensor:
+    """[in, sum of out] contiguous: the linears' weights side by side, each transposed."""
+    return torch.cat([m.weight.detach().t() for m in linears], dim=1).contiguous()
 
 
 def _version(p: torch.Tensor) -> int:
@@ -145,12 +152,12 @@ class FusedModel:
             a, m = layer.self_attn, layer.mlp
             self.layers.append(FusedLayer(
                 ln1=layer.input_layernorm.weight.detach(),
-                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qkv_t=_input_major(a.q_proj, a.k_proj, a.v_proj),
                 qkv_bias=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                o=a.o_proj.weight.detach(),
+                o_t=_input_major(a.o_proj),
                 ln2=layer.post_attention_layernorm.weight.detach(),
-                gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                down=m.down_proj.weight.detach()))
+                gate_up_t=_input_major(m.gate_proj, m.up_proj),
+                down_t=m.down_proj.weight.detach().t()))
         self.builds += 1
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
@@ -167,7 +174,7 @@ class FusedModel:
     def _layer(self, i: int, w: FusedLayer, x, position_ids, tables, ctx):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         h = rms_norm(x, w.ln1, self.eps)
-        qkv = F.linear(h, w.qkv, w.qkv_bias).view(t, hq + 2 * hkv, d)
+        qkv = (h @ w.qkv_t if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv_t)).view(t, hq + 2 * hkv, d)
         if tables is not None:
             rope_in_place(qkv[:, :hq + hkv], *tables)
             q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
@@ -176,7 +183,7 @@ class FusedModel:
         o = ctx.attend(i, q, k, qkv[:, hq + hkv:])
         x = torch.addmm(x, o.reshape(t, hq * d), w.o_t)
         h = rms_norm(x, w.ln2, self.eps)
-        gu = F.linear(h, w.gate_up)
+        gu = h @ w.gate_up_t
         inter = gu.shape[-1] // 2
         act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
         return torch.addmm(x, act, w.down_t)

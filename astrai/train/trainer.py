@@ -8,7 +8,10 @@ so the accumulated, DDP-averaged gradient is exactly the gradient of the step's 
 mean: 4 micro-batches give the gradient of their concatenation (tested). Gradients are
 reduced only on the last micro-batch (DDP no_sync, FSDP2 set_requires_gradient_sync(False) on the
 others: astrai.train.distributed); the optimizer and the
-scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch.
+scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch. A strategy
+with a `draw(model, window, global_step)` method makes the step's micro-batches itself from the
+drawn row indices (online GRPO samples them: astrai.rl), and its `step_metrics` join the step's
+metrics line.
 
 Counting: `max_steps`, `log_every` and `eval_every` count optimizer steps exactly, also between
 the updates of one GRPO batch (a run with max_steps 3 and 2 updates per batch stops after 3).

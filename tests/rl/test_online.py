@@ -176,3 +176,30 @@ def test_online_training_logs_and_resumes_with_identical_rewards(setup):
     r = train(root, ckpt, root / "b", 3)
     assert r.returncode == 0, r.stderr
     assert (root / "b" / "completions.jsonl").read_text() == (root / "a" / "completions.jsonl").read_text()
+
+
+def test_with_lora_the_engine_samples_base_plus_adapters_and_keeps_no_pool(setup):
+    import gc
+
+    from astrai.infer.engine import Engine
+    from astrai.model.lora import LoraSpec, apply_lora, lora_layers
+
+    root, ckpt = setup
+    tok = load_tokenizer(str(ckpt))
+    model = load_checkpoint(ckpt)
+    apply_lora(model, LoraSpec(rank=4, alpha=8))
+    torch.manual_seed(1)
+    with torch.no_grad():  # a trained adapter: B no longer zero
+        for layer in lora_layers(model).values():
+            layer.lora_B.weight.normal_(0, 0.5)
+    ro = RolloutOptions(group_size=2, max_tokens=8, temperature=0.0)
+    prompts = prompt_ids(root, 2)
+    stop = {tok.tok.token_to_id("<|im_end|>"), tok.eos_id}
+    groups, stats = Rollout(model, tok, ro, seed=0, device="cpu").generate(prompts, 0)
+    base = load_checkpoint(ckpt)
+    for p, group in zip(prompts, groups):
+        assert group[0]["token_ids"] == greedy_by_hand(model, p, 8, stop)  # the LoRA-wrapped forward
+    assert [g[0]["token_ids"] for g in groups] != [greedy_by_hand(base, p, 8, stop) for p in prompts]
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is Engine]  # the KV pool went with the engine
+    assert stats["kv_pool_mb"] > 0

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -45,9 +45,9 @@ class ShardTask:
 
 
 def pack_globally(job: Job, parts: list[Partition], workers: int, worker: Worker,
-                  log: Callable[[str], None], run: Callable = run_tasks) -> dict:
+                  log: Callable[[str], None], run: Callable = run_tasks, on_done: Optional[Callable] = None) -> dict:
     """Plan the bins (here), write the missing shards (tasks, through `run`: astrai.runtime.run_tasks
-    or the Ray executor's); return the packing figures for stats.json."""
+    or the Ray executor's, with `on_done` for the local one); return the packing figures for stats.json."""
     lengths = [np.load(job.work / f"{p.name}.lengths.npy") for p in parts]
     doc_part = np.concatenate([np.full(len(l), i, dtype=np.int32) for i, l in enumerate(lengths)]) if lengths else \
         np.zeros(0, np.int32)
@@ -68,7 +68,7 @@ def pack_globally(job: Job, parts: list[Partition], workers: int, worker: Worker
         tasks.append(ShardTask(str(path), [p.name for p in parts], doc_part[docs], doc_row[docs],
                                plan.piece_start[p0:p1], plan.piece_len[p0:p1], plan.bin_offsets[b0:b1 + 1] - p0))
     run(write_packed_shard, tasks, workers=workers, setup=partial(Worker.build, job), context=worker,
-        what="shards", log=log)
+        what="shards", log=log, **({"on_done": on_done} if on_done is not None else {}))
     n_bins = plan.n_bins
     n_shards = len(shard_ranges(bin_tokens, job.pipeline.output.max_tokens_per_shard))
     trained = sum(shard_trained(job, f"packed-{k:05d}") for k in range(n_shards))

@@ -109,6 +109,10 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     check_template_markers(worker.processor)
     prepare_output_dir(outp, fp, log)
     tok_content: list[str] = []  # the manifest's tokenizer content digest, once taken
+
+    def take_digest(_task=None):  # 1-2 s of CPU: taken here while workers go on, not alone after them
+        if not tok_content:
+            tok_content.append(content_digest(worker.processor.tok))
     with _task_runner(executor, ray_address, log) as (run, cluster):
         if cluster is not None:
             cluster.check_nodes(_needed_paths(files, job, template), outp)
@@ -123,8 +127,11 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
             def done(task):  # counts from the partition's completion marker
                 summary = read_marker(job.marker(task.part.name))
                 progress.update(1, records=summary.get("read", 0), tokens=summary.get("tokens", 0))
-                if not tok_content:  # here while the workers go on, not alone after them (1-2 s of CPU)
-                    tok_content.append(content_digest(worker.processor.tok))
+                finished.append(task)
+                if len(finished) < len(todo):  # partitions still in work (the last one's wait is the pack's)
+                    take_digest()
+
+            finished: list = []
 
             run(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
                 setup=partial(Worker.build, job), context=worker, what="partitions", log=log,
@@ -132,7 +139,8 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
             progress.close()
         _check_unchanged(outp, files, identity)
         summaries = [read_marker(job.marker(p.name)) for p in parts]
-        packing = pack_globally(job, parts, workers, worker, log, run) if job.global_pack else None
+        packing = (pack_globally(job, parts, workers, worker, log, run, take_digest if cluster is None else None)
+                   if job.global_pack else None)
     stats = dataset_stats(pipeline, summaries, packing)
     shards = sorted(str(p.relative_to(outp)) for p in _our_shards(outp))
     _merge_rejects(outp, parts)
