@@ -17,13 +17,16 @@ SHORT = {"scratch_sft": ["train.max_steps=3", "train.progress=false"],
          "finetune": ["train.max_steps=2", "train.eval_every=2", "train.progress=false", "eval.samples=1"],
          "pretrain": ["train.max_steps=3", "train.progress=false"],
          "dpo": ["sft.max_steps=2", "sft.progress=false", "dpo.max_steps=2", "dpo.progress=false"],
-         "grpo": ["train.max_steps=2", "train.progress=false"]}
+         "grpo": ["train.max_steps=2", "train.progress=false"],
+         # SmolLM2 sampling its own answers: 2 steps of one prompt x 2 completions of 4 tokens
+         "grpo_online": ["train.max_steps=2", "train.progress=false", "train.rollout.prompts_per_step=1",
+                         "train.rollout.group_size=2", "train.rollout.max_tokens=4"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SHORT))
 def test_bundled_recipe_runs_then_skips(name, tmp_path):
-    if name in ("sft", "finetune"):
+    if name in ("sft", "finetune", "grpo_online"):
         pytest.importorskip("transformers")
         pytest.importorskip("gguf")
         from astrai.model.packaged import package_problem
