@@ -56,7 +56,20 @@ def test_generate_on_an_adapter_equals_the_unmerged_lora_model(checkpoint, adapt
     assert rec["token_ids"] != slow_greedy(load_model(checkpoint), prompt, 6)  # the adapter changed the answer
 
 
-def test_base_override_and_one_line_refusals(checkpoint, adapter, capsys, tmp_path):
+def _data(tmp_path, tokenizer):
+    from astrai.config import Pipeline
+    from astrai.data.preprocess import run_preprocess
+
+    msgs = [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine"}]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": msgs}) + "\n")
+    pipe = Pipeline.model_validate({"version": 1, "chat_template": "chatml",
+                                    "input": {"sections": [{"field": "messages", "action": "$role", "template": True}]}})
+    run_preprocess(pipe, [str(tmp_path / "d.jsonl")], str(tmp_path / "data"), tokenizer=str(tokenizer), workers=1,
+                   log=lambda s: None)
+    return tmp_path / "data"
+
+
+def test_base_override_and_one_line_refusals(checkpoint, adapter, capsys, tmp_path, tiny_tokenizer):
     path, lora_model = adapter
     # the adapter names a base that is gone: refused, and --base DIR fixes it
     moved = tmp_path / "moved"
@@ -74,7 +87,9 @@ def test_base_override_and_one_line_refusals(checkpoint, adapter, capsys, tmp_pa
     torch.manual_seed(0)
     other = tmp_path / "other"
     save_model(CausalLM(ModelConfig.preset("tiny", hidden_size=96)), other)
-    for verb in (["generate", str(path), "--prompt", "hi"], ["eval", str(path), "--data", str(tmp_path)]):
+    data = _data(tmp_path, tiny_tokenizer)  # real data: eval checks --data before it reads the model
+    capsys.readouterr()
+    for verb in (["generate", str(path), "--prompt", "hi"], ["eval", str(path), "--data", str(data)]):
         rc = main(verb + ["--base", str(other), "--device", "cpu"])
         err = capsys.readouterr().err
         assert rc == 1 and "but base" in err and "needs" in err and "Traceback" not in err, err
