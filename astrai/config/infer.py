@@ -106,9 +106,7 @@ class GenerateOptions(BaseModel):
     @classmethod
     def _cli_max_tokens(cls, data):
         # the command line's default length is longer than the library's (16, vLLM's)
-        if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
-            data["sampling"].setdefault("max_tokens", CLI_MAX_TOKENS)
-        return data
+        return default_max_tokens(data, CLI_MAX_TOKENS)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -184,3 +182,11 @@ def generation_config_sampling(config: Any, where: str) -> dict:
         raise InputError(f"{where}: {_problems(e)} (fix the file, or override the key with its flag, e.g. "
                          f"--temperature)") from None
     return out
+
+
+def default_max_tokens(data, n: int):
+    """A `before` validator's body: a `sampling` block given without max_tokens gets `n`, the default of the
+    command or server reading it (longer than the library's)."""
+    if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
+        data["sampling"].setdefault("max_tokens", n)
+    return data

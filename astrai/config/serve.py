@@ -12,7 +12,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from astrai.config.infer import EngineOptions, SamplingParams
+from astrai.config.infer import EngineOptions, SamplingParams, default_max_tokens
 
 CHAT_MAX_TOKENS = 512
 
@@ -58,6 +58,4 @@ class ChatOptions(BaseModel):
     @classmethod
     def _chat_max_tokens(cls, data):
         # an answer in a chat is longer than the library's default length (16, vLLM's)
-        if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
-            data["sampling"].setdefault("max_tokens", CHAT_MAX_TOKENS)
-        return data
+        return default_max_tokens(data, CHAT_MAX_TOKENS)

@@ -143,6 +143,16 @@ GEMMA_FULL = dict(family="gemma3_text", vocab_size=VOCAB, hidden_size=64, interm
                   initializer_range=0.2, eos_token_id=None, bos_token_id=None, max_position_embeddings=512)
 
 
+def _per_backend(model, prompts, params) -> dict:
+    """Greedy token ids of the same chunked, paged engine run on the torch backend and the emulated kernels."""
+    outs = {}
+    for name in ("torch", "emu"):
+        with attn_backend(name):
+            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=16, max_running=4))
+            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+    return outs
+
+
 def test_the_kernels_take_a_models_softmax_scale(emu_registered):
     # Gemma 3 with only global layers: softmax scale query_pre_attn_scalar^-0.5, q/k norms, soft-capped logits
     torch.manual_seed(6)
@@ -153,11 +163,7 @@ def test_the_kernels_take_a_models_softmax_scale(emu_registered):
                 p.normal_(0.0, 0.3)
     prompts = _prompts(5)
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    outs = {}
-    for name in ("torch", "emu"):
-        with attn_backend(name):
-            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=16, max_running=4))
-            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+    outs = _per_backend(model, prompts, params)
     assert outs["emu"] == outs["torch"]
     plain = CausalLM(model.config.replace(query_pre_attn_scalar=None)).eval()
     plain.load_state_dict(model.state_dict())
@@ -174,11 +180,7 @@ def test_sliding_windows_on_the_emulated_kernels_equal_the_torch_backend(emu_reg
     model = CausalLM(cfg).eval()
     prompts = _prompts(8)
     params = SamplingParams(max_tokens=10, temperature=0.0)
-    outs = {}
-    for name in ("torch", "emu"):
-        with attn_backend(name):
-            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=16, max_running=4))
-            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+    outs = _per_backend(model, prompts, params)
     assert outs["emu"] == outs["torch"]
 
 
