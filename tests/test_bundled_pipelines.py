@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shutil
 
 import pytest
 
@@ -65,7 +66,14 @@ def test_a_role_typo_is_rejected_as_unknown_role(path, tiny_tokenizer, tmp_path)
             records.append({"messages": messages, "answer": "yes"})  # the prompt pipeline keeps an answer
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    stats = run_preprocess(pipe, [str(data)], str(tmp_path / "out"), tokenizer=str(tiny_tokenizer), workers=1,
+    tokenizer = tiny_tokenizer
+    if pipe.chat_template == "tokenizer":  # the model's own template: give the tiny tokenizer one (ChatML)
+        from astrai.text.template import bundled_templates
+
+        tokenizer = tmp_path / "tok"
+        shutil.copytree(tiny_tokenizer, tokenizer)
+        shutil.copy(bundled_templates()["chatml"], tokenizer / "chat_template.jinja")
+    stats = run_preprocess(pipe, [str(data)], str(tmp_path / "out"), tokenizer=str(tokenizer), workers=1,
                            base_dir=os.path.dirname(path), log=lambda s: None)
     assert stats["records_kept"] == 1 and stats["rejected_by_reason"] == {"unknown_role": 1}
     (reject,) = [json.loads(line) for line in open(tmp_path / "out" / "rejects.jsonl")]

@@ -134,6 +134,11 @@ def write_optimizer(directory: Path, state: dict):
     _dump_json(Path(directory) / OPTIMIZER_JSON, {"format": FORMAT, "param_groups": groups, "values": values})
 
 
+# how the live optimizer runs, not what it computes: a checkpoint saved under FSDP (no fused kernel for
+# sharded tensors) resumes in one plain process (fused) and back, each keeping its own choice
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def read_optimizer(directory: Path, live_groups: list[dict], shapes: dict[str, torch.Size]) -> dict:
     """The name-keyed state dict, checked against the live optimizer: the same groups holding the same
     parameter names (`live_groups`: the live param_groups with "params" given as names), every tensor
@@ -156,7 +161,8 @@ def read_optimizer(directory: Path, live_groups: list[dict], shapes: dict[str, t
                                   + (f" (missing: {', '.join(missing[:3])})" if missing else "")
                                   + "; resume needs the same model and trainable parameters")
         restored = {k: _like(v, live[k], f"param_groups[{i}].{k}", meta_path) for k, v in g.items()
-                    if k != "params" and k in live}
+                    if k != "params" and k in live and k not in IMPLEMENTATION_KEYS}
+        restored.update({k: live[k] for k in IMPLEMENTATION_KEYS if k in live})
         out_groups.append({**restored, "params": list(g["params"])})
     state: dict[str, dict] = {}
     tensor_path = directory / OPTIMIZER_TENSORS

@@ -230,3 +230,24 @@ def test_starting_over_refuses_an_output_holding_another_runs_checkpoints(traine
         _trainer(trained, epochs=3, max_steps=2, resume="never").fit()
     assert "step-00000004" in str(e.value) and "another output" in str(e.value) and "\n" not in str(e.value)
     assert resume.latest(trained / "checkpoints").name == "step-00000004"
+
+
+def test_a_checkpoint_saved_without_the_fused_kernel_resumes_with_it(trained):
+    # FSDP saves fused None (no fused AdamW for sharded tensors); one plain process runs fused: how each
+    # runs is its own choice, while a real hyperparameter of the wrong kind is still refused
+    ckpt = resume.latest(trained / "checkpoints")
+    meta = json.loads((ckpt / "optimizer.json").read_text())
+    assert [g["fused"] for g in meta["param_groups"]] == [True, True]
+    for g in meta["param_groups"]:
+        g["fused"] = None
+    (ckpt / "optimizer.json").write_text(json.dumps(meta))
+    t = _trainer(trained, epochs=3, max_steps=5)
+    t.fit()
+    assert all(g["fused"] is True for g in t.optimizer.param_groups)
+    ckpt = resume.latest(trained / "checkpoints")
+    assert ckpt.name == "step-00000005"
+    meta = json.loads((ckpt / "optimizer.json").read_text())
+    meta["param_groups"][0]["weight_decay"] = "0.1"
+    (ckpt / "optimizer.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="weight_decay"):
+        _trainer(trained, epochs=3, max_steps=6).fit()
