@@ -104,9 +104,17 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     tmp.replace(path)
     out.write(f"[eval] {summary_line(result)} -> {path}\n")
-    for s in result["samples"]:
-        out.write(f"[eval] prompt: {s['prompt'][-200:]!r}\n       completion: {s['completion'][:200]!r}\n")
+    for s in result["samples"]:  # eval.json has them whole
+        out.write(f"[eval] prompt: {shorten(s['prompt'], keep='end')!r}\n"
+                  f"       completion: {shorten(s['completion'])!r}\n")
     return result
+
+
+def shorten(text: str, limit: int = 200, keep: str = "start") -> str:
+    """`text` cut to `limit` characters for the terminal, keeping its start or its end; … marks the cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit - 1] + "…" if keep == "start" else "…" + text[-(limit - 1):]
 
 
 def data_kind(dataset) -> str:

@@ -1,5 +1,6 @@
 """Eval: perplexity of packed rows equals transformers on each document alone; eval.json; the CLI."""
 
+import io
 import json
 import math
 import random
@@ -12,7 +13,7 @@ from astrai.cli import main
 from astrai.config import Pipeline
 from astrai.data.load import ShardDataset
 from astrai.data.preprocess import run_preprocess
-from astrai.infer.eval import EvalOptions, run_eval
+from astrai.infer.eval import EvalOptions, run_eval, shorten
 from astrai.config.infer import EngineOptions
 from astrai.model import CausalLM, ModelConfig, save_model
 from astrai.schema import IGNORE_INDEX
@@ -71,9 +72,10 @@ def test_perplexity_matches_documents_alone(data_and_checkpoint, tmp_path):
     data, ckpt = data_and_checkpoint
     ref_loss, ref_count = hf_reference(ckpt, data)
     out = tmp_path / "eval.json"
+    printed = io.StringIO()
     res = run_eval(EvalOptions(checkpoint=str(ckpt), data=str(data), output=str(out), samples=3,
                                sample_max_tokens=5, batch_tokens=300, engine=EngineOptions(device="cpu")),
-                   out=open("/dev/null", "w"))
+                   out=printed)
     assert res["trained_tokens"] == ref_count
     assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert res["perplexity"] == pytest.approx(math.exp(ref_loss), rel=1e-5)
@@ -82,6 +84,14 @@ def test_perplexity_matches_documents_alone(data_and_checkpoint, tmp_path):
     s = saved["samples"][0]
     assert s["prompt"].endswith("<|im_start|>assistant\n") and s["reference"].endswith("<|im_end|>")
     assert 1 <= len(s["completion_token_ids"]) <= 5
+    for s in saved["samples"]:
+        assert f"[eval] prompt: {shorten(s['prompt'], keep='end')!r}\n" in printed.getvalue()
+
+
+def test_long_sample_texts_are_marked_where_cut():
+    assert shorten("abc", 3) == "abc" and shorten("abcd", 3) == "ab…" and shorten("abcd", 3, keep="end") == "…cd"
+    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + "x" * 300
+    assert len(shorten(system, keep="end")) == 200 and shorten(system, keep="end").startswith("…x")
 
 
 def test_eval_cli(data_and_checkpoint, tmp_path, capsys):
