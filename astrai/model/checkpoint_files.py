@@ -22,11 +22,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from astrai import errors
 from astrai.errors import ModelFileError
 
 CONFIG = "config.json"
@@ -43,20 +43,14 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def open_regular(path: os.PathLike | str, what: str = "file"):
-    """A binary file object for a regular file; anything else (FIFO, device, directory) is refused."""
-    path = Path(path)
+    """A binary file object for a regular file (astrai.errors.open_regular: checked on the open
+    descriptor, a FIFO never blocks); anything else is refused as a ModelFileError naming the file."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO's open would block without it
-    except FileNotFoundError:
-        raise ModelFileError(f"{path}: no such {what}") from None
-    except OSError as e:
-        raise ModelFileError(f"{path}: cannot open the {what}: {e.strerror}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise ModelFileError(f"{path}: the {what} is {kind}; astrai reads only regular files")
-    return os.fdopen(fd, "rb")
+        return errors.open_regular(path, "rb", what)
+    except ModelFileError:
+        raise
+    except errors.InputError as e:
+        raise ModelFileError(str(e)) from None
 
 
 def read_json(path: os.PathLike | str, what: str = "JSON file") -> Any:

@@ -182,11 +182,11 @@ def test_a_fifo_or_a_directory_is_never_opened_as_a_file(ckpt, name):
     (ckpt / name).unlink()
     os.mkfifo(ckpt / name)  # opening it for reading would block forever
     t0 = time.perf_counter()
-    refused(ckpt, f"{name}: the .* is a FIFO; astrai reads only regular files")
+    refused(ckpt, f"{name}: is a FIFO .*not a regular file")
     assert time.perf_counter() - t0 < 5
     (ckpt / name).unlink()
     (ckpt / name).mkdir()
-    refused(ckpt, f"{name}: the .* is a directory")
+    refused(ckpt, f"{name}: is a directory")
 
 
 BAD_CONFIGS = [
