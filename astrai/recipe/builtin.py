@@ -28,17 +28,25 @@ def _tokenizer_extra(options, base_dir) -> dict:
 
 TOKENIZER = StageKind(
     "tokenizer", TokenizerOptions, run_tokenizer_stage, produces="tokenizer", files=("inputs",),
-    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.text.template"), describe=_describe_tokenizer,
+    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.data.holdout", "astrai.text", "astrai.config",
+          "astrai.schema"), describe=_describe_tokenizer,
     extra=_tokenizer_extra,
     figures=("vocab_size", "records"))
 
 PREPROCESS = StageKind(
     "preprocess", PreprocessOptions, run_preprocess_stage, produces="data",
     refs={"tokenizer": ("tokenizer", "model")}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
-    code=("astrai.data", "astrai.config", "astrai.schema", "astrai.recipe.preprocess_stage"),
+    code=("astrai.data", "astrai.config", "astrai.schema", "astrai.text", "astrai.recipe.preprocess_stage"),
     describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
     figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"),
     stamped=("train", "val"))
+
+
+# what a train or eval stage runs besides its own package: the engine (eval's samples, online GRPO's
+# rollouts) and its kernels, the data loader, the options' defaults, tokenizer and template code
+# (tests/recipe/test_runner.py checks every stage's list against what its code imports)
+_RUNTIME = ("astrai.infer", "astrai.kernels", "astrai.data", "astrai.config", "astrai.text", "astrai.schema",
+            "astrai.recipe.preprocess_stage")
 
 
 def _train_kind() -> StageKind:
@@ -50,7 +58,7 @@ def _train_kind() -> StageKind:
         "train", TrainStageOptions, run_train_stage, produces="model",
         refs={"data": ("data",), "val_data": ("data",), "model": ("model",)}, path_refs=frozenset({"model"}),
         literals={"model": tuple(PRESETS)},
-        code=("astrai.train", "astrai.model", "astrai.rl", "astrai.recipe.train_stage"), describe=describe_train,
+        code=("astrai.train", "astrai.model", "astrai.rl", "astrai.recipe.train_stage", *_RUNTIME), describe=describe_train,
         check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop",
                                     "val_reward_accuracy_start", "val_reward_accuracy", "val_reward_margin",
                                     "val_policy_reward_start", "val_policy_reward", "reward_first", "reward_last"),
@@ -64,7 +72,7 @@ def _eval_kind() -> StageKind:
         "eval", EvalStageOptions, run_eval_stage, produces="report",
         refs={"model": ("model",), "data": ("data",), "ref_model": ("model",)},
         path_refs=frozenset({"model", "ref_model"}),
-        code=("astrai.infer", "astrai.model", "astrai.recipe.eval_stage"), check=check_eval,
+        code=("astrai.model", "astrai.recipe.eval_stage", *_RUNTIME), check=check_eval,
         figures=("perplexity", "loss", "reward_accuracy", "reward_margin", "policy_reward", "reward_mean",
                  "policy_accuracy", "samples"))
 
@@ -75,7 +83,8 @@ def _checkpoint_kind() -> StageKind:
 
     return StageKind(
         "checkpoint", CheckpointOptions, run_checkpoint_stage, produces="model",
-        code=("astrai.recipe.checkpoint_stage", "astrai.model.packaged"), describe=describe_checkpoint,
+        code=("astrai.recipe.checkpoint_stage", "astrai.model", "astrai.text.tokenizer", "astrai.config",
+              "astrai.schema"), describe=describe_checkpoint,
         check=check_checkpoint, extra=checkpoint_extra, figures=("architecture", "layers", "vocab_size"))
 
 

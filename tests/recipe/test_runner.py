@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +208,58 @@ def test_code_version_follows_the_source(tmp_path, monkeypatch):
     (pkg / "step.py").write_text("X = 2\n")
     code_version.cache_clear()
     assert code_version(("fake_stage_pkg",)) != before
+
+
+# code that never changes what a stage writes: errors and their wording, the run lock and process
+# plumbing, plots of the metrics, the bounded YAML reader, the command line, the recipe runner itself
+NOT_RESULTS = ("astrai.errors", "astrai.plot", "astrai.runtime", "astrai.runtime_ray", "astrai.yaml_bounded",
+               "astrai.cli", "astrai.recipe.runner", "astrai.recipe.kinds", "astrai.recipe.fingerprint",
+               "astrai.recipe.rundir", "astrai.recipe.table", "astrai.recipe.spec")
+
+
+def _within(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _imported_modules(modules) -> set[str]:
+    """Every astrai module the given modules (a package: all its files) import, transitively."""
+    import ast
+    import importlib.util
+
+    def files(name):  # a listed package counts with all its files (as code_version hashes it), an imported one
+        spec = importlib.util.find_spec(name)  # with its __init__.py
+        if spec is None:
+            return []
+        if spec.submodule_search_locations and name in modules:
+            return sorted(p for loc in spec.submodule_search_locations for p in Path(loc).rglob("*.py"))
+        return [Path(spec.origin)]
+
+    seen, todo = set(), list(modules)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for f in files(name):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names
+                                             if importlib.util.find_spec(node.module).submodule_search_locations
+                                             and importlib.util.find_spec(f"{node.module}.{a.name}") is not None]
+                else:
+                    continue
+                todo += [n for n in names if n.startswith("astrai.") or n == "astrai"]
+    return seen
+
+
+def test_every_stage_fingerprints_the_code_that_computes_its_output():
+    # a change in any module a stage's code imports (the engine behind online GRPO's rollouts, the
+    # chat template renderer behind preprocess) must rerun the stage, never reuse a stale output
+    from astrai.recipe.builtin import recipe_kinds
+
+    for name, kind in recipe_kinds().items():
+        missing = sorted(m for m in _imported_modules(kind.code)
+                         if m != "astrai" and not _within(m, kind.code) and not _within(m, NOT_RESULTS))
+        assert not missing, f"stage kind {name}: its code list does not cover {missing}"
