@@ -6,8 +6,10 @@ which stay what training, LoRA and checkpoints use. These are stored input-major
 contiguous; x @ W rather than nn.Linear's x @ W^T on [out, in]): at one token per step MKL's
 matrix-vector product streams them faster that way on this CPU (q/k/v 1.29-1.60x, gate/up
 1.66-1.75x, o 1.05-1.26x), while down ([576, 1536] in SmolLM2) runs about 1.45x slower, so down
-stays the model's own weight (bench/cpu_ops.py --decode-weights; bench/RESULTS.md); from 16 rows
-up the layouts are within a few percent. `forward(ids, positions, ctx)` computes what
+stays the model's own weight (bench/cpu_ops.py --decode-weights; bench/RESULTS.md). From 4 to 32
+rows (OWN_ROWS: a batch of decoding requests, a short chunk) the model's own [out, in] weights are
+faster on the same CPU idle (up to 1.35x per projection; 16 SmolLM2 chats at once 1.15-1.25x), so
+those steps use them, one matmul per projection (`_layer_own`); from 32 rows up the layouts are level. `forward(ids, positions, ctx)` computes what
 `CausalLM.forward` computes (same operations in the same order, so the same numbers up to the
 matmul's own blocking), with fewer and larger operations:
 
@@ -48,6 +50,11 @@ IMPLEMENTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
                "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
                "initializer_range", "extra", "router_aux_loss_coef", "num_experts_per_tok", "num_local_experts"}
+# steps of this many rows run on the model's own [out, in] weights (_layer_own), the others on the
+# input-major fused copies: MKL's products of [rows, 576] by SmolLM2's projections on this CPU,
+# idle, 2 threads, 30 weights each: input-major 1.2-2.0x faster at 1-2 rows, the model's layout
+# 1.1-1.35x faster at 4-16 rows, level from 32 up (bench/RESULTS.md)
+OWN_ROWS = (4, 32)
 _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj"}
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -142,6 +149,7 @@ class FusedModel:
         self.eps = c.rms_norm_eps
         self.layers: list[FusedLayer] = []
         self.builds = 0  # how many times the fused copies were made (tests watch the rebuilds)
+        self.own_rows = OWN_ROWS
         self.rebuild()
 
     @torch.no_grad()
@@ -173,6 +181,8 @@ class FusedModel:
 
     def _layer(self, i: int, w: FusedLayer, x, position_ids, tables, ctx):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        if self.own_rows[0] <= t <= self.own_rows[1]:
+            return self._layer_own(i, w, x, position_ids, tables, ctx)
         h = rms_norm(x, w.ln1, self.eps)
         qkv = (h @ w.qkv_t if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv_t)).view(t, hq + 2 * hkv, d)
         if tables is not None:
@@ -186,6 +196,26 @@ class FusedModel:
         gu = h @ w.gate_up_t
         inter = gu.shape[-1] // 2
         act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+        return torch.addmm(x, act, w.down_t)
+
+    def _layer_own(self, i: int, w: FusedLayer, x, position_ids, tables, ctx):
+        """The same layer on the model's own [out, in] weights, one matmul per projection: from a few
+        rows to a few dozen MKL multiplies that layout faster than the input-major copies (OWN_ROWS)."""
+        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        layer = self.model.model.layers[i]
+        a, m = layer.self_attn, layer.mlp
+        h = rms_norm(x, w.ln1, self.eps)
+        qkv = torch.cat([F.linear(h, p.weight, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)], 1)
+        qkv = qkv.view(t, hq + 2 * hkv, d)
+        if tables is not None:
+            rope_in_place(qkv[:, :hq + hkv], *tables)
+            q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+        else:
+            q, k = ctx.rotary(qkv[:, :hq], qkv[:, hq:hq + hkv], position_ids, self.model.rope)
+        o = ctx.attend(i, q, k, qkv[:, hq + hkv:])
+        x = torch.addmm(x, o.reshape(t, hq * d), a.o_proj.weight.t())
+        h = rms_norm(x, w.ln2, self.eps)
+        act = F.silu(F.linear(h, m.gate_proj.weight)).mul_(F.linear(h, m.up_proj.weight))
         return torch.addmm(x, act, w.down_t)
 
 

@@ -42,11 +42,14 @@ def step_logits(engine, batch, fused: bool):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_fused_step_logits_equal_the_model_forward(tiny_path, page_size):
-    """Ragged prefill with a cached prefix, chunked prefill mixed with decode, then pure decode steps."""
+@pytest.mark.parametrize("own_rows", [(0, -1), fused_mod.OWN_ROWS, (1, 1 << 30)], ids=["input-major", "default", "own"])
+def test_fused_step_logits_equal_the_model_forward(tiny_path, page_size, own_rows):
+    """Ragged prefill with a cached prefix, chunked prefill mixed with decode, then pure decode steps;
+    every step on the input-major copies, on the model's own weights, or as the row count chooses."""
     engine = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", page_size=page_size, max_step_tokens=24,
                                                                  max_running=8))
     assert engine.runner.fused is not None, engine.runner.reference_reason
+    engine.runner.fused.own_rows = own_rows
     engine.generate(prompts(0)[:1], SamplingParams(max_tokens=1, temperature=0.0))  # a prefix in the radix cache
     for p in prompts(1):
         engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
