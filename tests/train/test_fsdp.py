@@ -117,20 +117,21 @@ def test_two_fsdp_processes_equal_one_with_the_doubled_batch(runs):
     # the model moved (a no-op sync would still agree at step 1, not later)
     assert _by_step(runs / "two", "loss")[6] < _by_step(runs / "two", "loss")[1] - 0.1
     # no reduce-scatter on the first micro-batch of each step (train_script.UnsyncedGrads), on both ranks
-    assert (runs / "two.stdout").read_text().count("REDUCED EARLY 0 OF 6") == 2
+    counts = ts.rank_counts(runs / "two")
+    assert len(counts) == 2 and all(c["reduced_early"] == 0 and c["checked"] == 6 for c in counts)
 
 
 @pytest.mark.slow
 def test_fsdp_shards_weights_and_adam_state(runs):
     """Each rank holds about half of the weights and of the AdamW moments (dim 0 split in two), counted
     after the final validation: a forward without backward must not leave the root's weights gathered."""
-    lines = [ln.split() for ln in (runs / "two.stdout").read_text().splitlines() if ln.startswith("LOCAL PARAMS")]
-    assert len(lines) == 2
-    for w in lines:
-        local, full, adam_local, adam_full = int(w[2]), int(w[4]), int(w[6]), int(w[8])
+    counts = ts.rank_counts(runs / "two")
+    assert len(counts) == 2
+    for c in counts:
+        local, full, adam_local, adam_full = c["local_params"], c["params"], c["local_adam"], c["adam"]
         assert full == ts.model(tied=True).num_parameters() and adam_full == full
         assert abs(local - full / 2) <= 0.05 * full and abs(adam_local - full / 2) <= 0.05 * full
-    assert sum(int(w[2]) for w in lines) == int(lines[0][4])
+    assert sum(c["local_params"] for c in counts) == counts[0]["params"]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -144,6 +145,12 @@ class UnsyncedGrads(Callback):
             self.reduced += any(p.grad is not None for p in trainer.raw_model.parameters())
 
 
+def rank_counts(out) -> list[dict]:
+    """What each rank of an fsdp run wrote after fit (UnsyncedGrads, local shard sizes), by rank."""
+    return [json.loads(p.read_text()) for p in sorted(Path(f"{out}.counts-rank0.json").parent.glob(
+        f"{Path(out).name}.counts-rank*.json"))]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -183,11 +190,14 @@ def main():
     unsynced = next((c for c in cbs if isinstance(c, UnsyncedGrads)), None)
     state = t.fit()
     if unsynced:
-        print(f"REDUCED EARLY {unsynced.reduced} OF {unsynced.checked}", flush=True)
         params = list(t.raw_model.parameters())
         moments = [s["exp_avg"] for s in t.optimizer.state.values()]
-        print(f"LOCAL PARAMS {sum(p.to_local().numel() for p in params)} OF {sum(p.numel() for p in params)} "
-              f"ADAM {sum(m.to_local().numel() for m in moments)} OF {sum(m.numel() for m in moments)}", flush=True)
+        # one file per rank beside the output (the ranks' lines in one shared stdout pipe were once
+        # seen one short): read back by rank_counts
+        Path(f"{args.out}.counts-rank{dist.rank}.json").write_text(json.dumps({
+            "reduced_early": unsynced.reduced, "checked": unsynced.checked,
+            "local_params": sum(p.to_local().numel() for p in params), "params": sum(p.numel() for p in params),
+            "local_adam": sum(m.to_local().numel() for m in moments), "adam": sum(m.numel() for m in moments)}))
     print("STOPPED", state.stopped, "STEP", state.global_step, flush=True)
     finish(dist)  # see astrai.train.distributed.finish
     teardown(dist)
