@@ -82,8 +82,8 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _refuse(path: PathLike, what: str, kind: str) -> InputError:
-    return InputError(f"{what} {path}: is {kind}, not a regular file; give the path of a file")
+def _refuse(path: PathLike, what: str, kind: str, error: type = InputError) -> InputError:
+    return error(f"{what} {path}: is {kind}, not a regular file; give the path of a file")
 
 
 def regular_file(path: PathLike, what: str = "file") -> Path:
@@ -99,8 +99,10 @@ def regular_file(path: PathLike, what: str = "file") -> Path:
     return Path(path)
 
 
-def open_regular(path: PathLike, mode: str = "r", what: str = "file", encoding: Optional[str] = "utf-8", **kw):
-    """open(path, mode) for reading, refusing anything but a regular file before a byte is read.
+def open_regular(path: PathLike, mode: str = "r", what: str = "file", encoding: Optional[str] = "utf-8",
+                 error: type = InputError, **kw):
+    """open(path, mode) for reading, refusing anything but a regular file before a byte is read, with
+    `error` (an InputError class: ModelFileError for a checkpoint's files).
 
     The file is opened non-blocking (opening a FIFO without a writer would block) and checked on
     the open descriptor (no window between a check and the open)."""
@@ -109,15 +111,15 @@ def open_regular(path: PathLike, mode: str = "r", what: str = "file", encoding: 
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise InputError(f"{what} {path}: no such file") from None
+        raise error(f"{what} {path}: no such file") from None
     except IsADirectoryError:
-        raise _refuse(path, what, "a directory") from None
+        raise _refuse(path, what, "a directory", error) from None
     except OSError as e:
-        raise InputError(f"{what} {path}: {e.strerror or e}") from None
+        raise error(f"{what} {path}: {e.strerror or e}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _refuse(path, what, _kind(st.st_mode))
+            raise _refuse(path, what, _kind(st.st_mode), error)
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return open(fd, mode, encoding=None if "b" in mode else encoding, **kw)

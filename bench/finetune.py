@@ -249,11 +249,10 @@ def main():
         mem = {}
         for gc in (False, True):
             for mode in ("full", "lora"):
-                out, _, _ = run_child([sys.executable, __file__, "--child", mode, "--row-len", str(a.row_len),
-                                       "--threads", str(a.threads), "--work", str(work)]
-                                      + (["--checkpointing"] if gc else []), cwd=str(HERE),
-                                      what=f"memory {mode}")
-                mem[f"{mode}{'+checkpointing' if gc else ''}"] = out
+                key = f"{mode}{'+checkpointing' if gc else ''}"
+                mem[key], _, _ = run_child([sys.executable, __file__, "--child", mode, "--row-len", str(a.row_len),
+                                            "--threads", str(a.threads), "--work", str(work)]
+                                           + (["--checkpointing"] if gc else []), cwd=str(HERE), what=f"memory {key}")
         result["memory"] = mem
         result["lora/full peak RSS"] = round(mem["lora"]["peak_rss_mb"] / mem["full"]["peak_rss_mb"], 3)
         result["lora/full peak RSS, both with gradient checkpointing"] = round(

@@ -9,7 +9,8 @@ matrix-vector product streams them faster that way on this CPU (q/k/v 1.29-1.60x
 stays the model's own weight (bench/cpu_ops.py --decode-weights; bench/RESULTS.md). From 4 to 32
 rows (OWN_ROWS: a batch of decoding requests, a short chunk) the model's own [out, in] weights are
 faster on the same CPU idle (up to 1.35x per projection; 16 SmolLM2 chats at once 1.15-1.25x), so
-those steps use them, one matmul per projection (`_layer_own`); from 32 rows up the layouts are level. `forward(ids, positions, ctx)` computes what
+those steps use them, one matmul per projection; from 32 rows up the layouts are level.
+`forward(ids, positions, ctx)` computes what
 `CausalLM.forward` computes (same operations in the same order, so the same numbers up to the
 matmul's own blocking), with fewer and larger operations:
 
@@ -50,7 +51,7 @@ IMPLEMENTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
                "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
                "initializer_range", "extra", "router_aux_loss_coef", "num_experts_per_tok", "num_local_experts"}
-# steps of this many rows run on the model's own [out, in] weights (_layer_own), the others on the
+# steps of this many rows run on the model's own [out, in] weights (FusedLayer.*_own), the others on the
 # input-major fused copies: MKL's products of [rows, 576] by SmolLM2's projections on this CPU,
 # idle, 2 threads, 30 weights each: input-major 1.2-2.0x faster at 1-2 rows, the model's layout
 # 1.1-1.35x faster at 4-16 rows, level from 32 up (bench/RESULTS.md)
@@ -92,6 +93,11 @@ class FusedLayer:
     ln2: torch.Tensor
     gate_up_t: torch.Tensor  # [H, 2 I]
     down_t: torch.Tensor  # [I, H]: a transposed view of the model's [H, I] weight, no copy
+    # the model's own [out, in] weights (no copies), for steps of OWN_ROWS rows
+    qkv_own: tuple  # ((weight, bias or None) of q, k and v)
+    o_own: torch.Tensor
+    gate_own: torch.Tensor
+    up_own: torch.Tensor
 
 
 def _input_major(*linears: nn.Linear) -> torch.Tensor:
@@ -165,7 +171,11 @@ class FusedModel:
                 o_t=_input_major(a.o_proj),
                 ln2=layer.post_attention_layernorm.weight.detach(),
                 gate_up_t=_input_major(m.gate_proj, m.up_proj),
-                down_t=m.down_proj.weight.detach().t()))
+                down_t=m.down_proj.weight.detach().t(),
+                qkv_own=tuple((p.weight.detach(), None if p.bias is None else p.bias.detach())
+                              for p in (a.q_proj, a.k_proj, a.v_proj)),
+                o_own=a.o_proj.weight.detach(), gate_own=m.gate_proj.weight.detach(),
+                up_own=m.up_proj.weight.detach()))
         self.builds += 1
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
@@ -181,41 +191,27 @@ class FusedModel:
 
     def _layer(self, i: int, w: FusedLayer, x, position_ids, tables, ctx):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
-        if self.own_rows[0] <= t <= self.own_rows[1]:
-            return self._layer_own(i, w, x, position_ids, tables, ctx)
+        own = self.own_rows[0] <= t <= self.own_rows[1]  # the model's own weights, one matmul per projection
         h = rms_norm(x, w.ln1, self.eps)
-        qkv = (h @ w.qkv_t if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv_t)).view(t, hq + 2 * hkv, d)
+        if own:
+            qkv = torch.cat([F.linear(h, weight, bias) for weight, bias in w.qkv_own], 1)
+        else:
+            qkv = h @ w.qkv_t if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv_t)
+        qkv = qkv.view(t, hq + 2 * hkv, d)
         if tables is not None:
             rope_in_place(qkv[:, :hq + hkv], *tables)
             q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
         else:  # the backend applies RoPE itself (a fused kernel)
             q, k = ctx.rotary(qkv[:, :hq], qkv[:, hq:hq + hkv], position_ids, self.model.rope)
         o = ctx.attend(i, q, k, qkv[:, hq + hkv:])
-        x = torch.addmm(x, o.reshape(t, hq * d), w.o_t)
+        x = torch.addmm(x, o.reshape(t, hq * d), w.o_own.t() if own else w.o_t)
         h = rms_norm(x, w.ln2, self.eps)
-        gu = h @ w.gate_up_t
-        inter = gu.shape[-1] // 2
-        act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-        return torch.addmm(x, act, w.down_t)
-
-    def _layer_own(self, i: int, w: FusedLayer, x, position_ids, tables, ctx):
-        """The same layer on the model's own [out, in] weights, one matmul per projection: from a few
-        rows to a few dozen MKL multiplies that layout faster than the input-major copies (OWN_ROWS)."""
-        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
-        layer = self.model.model.layers[i]
-        a, m = layer.self_attn, layer.mlp
-        h = rms_norm(x, w.ln1, self.eps)
-        qkv = torch.cat([F.linear(h, p.weight, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)], 1)
-        qkv = qkv.view(t, hq + 2 * hkv, d)
-        if tables is not None:
-            rope_in_place(qkv[:, :hq + hkv], *tables)
-            q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+        if own:
+            act = F.silu(F.linear(h, w.gate_own)).mul_(F.linear(h, w.up_own))
         else:
-            q, k = ctx.rotary(qkv[:, :hq], qkv[:, hq:hq + hkv], position_ids, self.model.rope)
-        o = ctx.attend(i, q, k, qkv[:, hq + hkv:])
-        x = torch.addmm(x, o.reshape(t, hq * d), a.o_proj.weight.t())
-        h = rms_norm(x, w.ln2, self.eps)
-        act = F.silu(F.linear(h, m.gate_proj.weight)).mul_(F.linear(h, m.up_proj.weight))
+            gu = h @ w.gate_up_t
+            inter = gu.shape[-1] // 2
+            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
         return torch.addmm(x, act, w.down_t)
 
 

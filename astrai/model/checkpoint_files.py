@@ -1,7 +1,8 @@
 """A checkpoint directory's files read as untrusted input: what is opened, and how far it is believed.
 
-- Only regular files are opened (`open_regular`): a FIFO or a device named model.safetensors is
-  refused at once instead of blocking or streaming forever (the open itself does not block).
+- Only regular files are opened (astrai.errors.open_regular, raising ModelFileError): a FIFO or a
+  device named model.safetensors is refused at once instead of blocking or streaming forever (the
+  open itself does not block).
 - JSON files (config.json, model.safetensors.index.json) are read up to MAX_JSON_BYTES.
 - A safetensors header is parsed and checked before any tensor is read (`read_header`): its
   length against the file size, valid JSON, each entry's dtype, shape and offsets, the offsets
@@ -26,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astrai import errors
-from astrai.errors import ModelFileError
+from astrai.errors import ModelFileError, open_regular
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -42,19 +42,8 @@ ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
-def open_regular(path: os.PathLike | str, what: str = "file"):
-    """A binary file object for a regular file (astrai.errors.open_regular: checked on the open
-    descriptor, a FIFO never blocks); anything else is refused as a ModelFileError naming the file."""
-    try:
-        return errors.open_regular(path, "rb", what)
-    except ModelFileError:
-        raise
-    except errors.InputError as e:
-        raise ModelFileError(str(e)) from None
-
-
 def read_json(path: os.PathLike | str, what: str = "JSON file") -> Any:
-    with open_regular(path, what) as f:
+    with open_regular(path, "rb", what, error=ModelFileError) as f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_JSON_BYTES:
             raise ModelFileError(f"{path}: {size:,} bytes, more than a {what} can reasonably hold "
@@ -81,7 +70,7 @@ class TensorInfo:
 def read_header(path: os.PathLike | str) -> dict[str, TensorInfo]:
     """The tensors a safetensors file declares, checked against the file's size; no data is read."""
     path = Path(path)
-    with open_regular(path, "weights file") as f:
+    with open_regular(path, "rb", "weights file", error=ModelFileError) as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise ModelFileError(f"{path}: {size} bytes: truncated (a safetensors file starts with an 8-byte "

@@ -10,8 +10,10 @@ quantization entry is dropped from the config, since the weights are no longer q
 The result is cached under $ASTRAI_CACHE (default $XDG_CACHE_HOME/astrai, else ~/.cache/astrai)
 in checkpoints/<name>/: converted under a temporary name and renamed, so the directory appears
 complete or not at all; one process converts at a time (a file lock), the others wait and reuse
-it. A `source.json` beside the weights records the GGUF's size and modification time: a new
-package version converts again. The package is located, never imported.
+it. A `source.json` beside the weights records the GGUF's name, size and sha256 (as pip recorded it
+in the package's RECORD at install, else read from the file): a new package version converts again,
+and two environments with the same package share one conversion. The package is located, never
+imported.
 """
 
 from __future__ import annotations
@@ -67,13 +69,32 @@ def _gguf_file(name: str) -> Optional[Path]:
 def source_stamp(spec: str) -> dict:
     """What the cached conversion depends on: the GGUF file's name, size and content digest (not its
     path or mtime: two environments with the same package share one conversion)."""
-    gguf = _gguf_file(spec[len("package:"):])
+    name = spec[len("package:"):]
+    gguf = _gguf_file(name)
     st = gguf.stat()
-    return {"gguf": gguf.name, "size": st.st_size, "sha256": _digest(str(gguf), st.st_size, st.st_mtime_ns)}
+    digest = _recorded_sha256(name, gguf) or _read_sha256(str(gguf), st.st_size, st.st_mtime_ns)
+    return {"gguf": gguf.name, "size": st.st_size, "sha256": digest}
+
+
+def _recorded_sha256(name: str, gguf: Path) -> Optional[str]:
+    """The file's sha256 as pip wrote it in the installed package's RECORD (a few ms: every `astrai run`
+    fingerprints this stage), when that package is the one holding this very file of this size."""
+    import base64
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.name == gguf.name and f.hash is not None and f.hash.mode == "sha256" and f.size == gguf.stat().st_size \
+                and Path(dist.locate_file(f)).resolve() == gguf.resolve():
+            return base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4)).hex()
+    return None
 
 
 @lru_cache(maxsize=8)
-def _digest(path: str, size: int, mtime_ns: int) -> str:  # once per process and file version (~0.2 s for 93 MB)
+def _read_sha256(path: str, size: int, mtime_ns: int) -> str:  # once per process and file version (~0.3 s for 93 MB)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

