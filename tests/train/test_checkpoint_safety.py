@@ -171,22 +171,13 @@ def _torchrun(out, *args, procs=2):
                            str(procs), SCRIPT, str(out), *args], capture_output=True, text=True, timeout=300, env=ENV)
 
 
-def _rng_lines(stdout, prefix="RNG rank"):
-    out = {}
-    for line in stdout.splitlines():
-        if line.startswith(prefix):
-            w = line.split()
-            out[(int(w[-4]), int(w[-2]))] = w[-1]  # (rank, step) -> digest
-    return out
-
-
 @pytest.mark.slow
 def test_every_rank_resumes_its_own_generators(tmp_path):
     """DDP, 2 ranks whose generators differ: killed after the checkpoint of step 4, each rank resumes
     with the generator state it had at step 4 (not rank 0's)."""
     r = _torchrun(tmp_path / "run", "--kill-at", "4", "--rng-log")
     assert r.returncode != 0
-    before = _rng_lines(r.stdout)
+    before = ts.rank_rng(tmp_path / "run", "step")
     assert before[(0, 4)] != before[(1, 4)]
     ckpt = resume.latest(tmp_path / "run" / "checkpoints")
     assert ckpt.name == "step-00000004"
@@ -194,7 +185,7 @@ def test_every_rank_resumes_its_own_generators(tmp_path):
                                                           "rng-rank1.json", "rng-rank1.safetensors"}
     r = _torchrun(tmp_path / "run", "--rng-log")
     assert r.returncode == 0, r.stderr[-3000:]
-    after = _rng_lines(r.stdout, "RNG BEGIN rank")
+    after = {k: v for k, v in ts.rank_rng(tmp_path / "run", "begin").items() if k[1]}  # not the first run's
     assert after == {(0, 4): before[(0, 4)], (1, 4): before[(1, 4)]}
 
 

@@ -221,7 +221,7 @@ def test_sigterm_to_one_fsdp_rank_stops_both_with_a_checkpoint(tmp_path):
     os.kill(ranks[1], signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr[-3000:]
-    stops = [int(line.split("STEP")[1]) for line in stdout.splitlines() if line.startswith("STOPPED SIGTERM")]
+    stops = [c["step"] for c in ts.rank_counts(out) if c["stopped"] == "SIGTERM"]
     steps = set(stops)
     assert len(stops) == 2 and len(steps) == 1 and 0 < next(iter(steps)) < 12, stdout
     latest = resume.latest(out / "checkpoints")

@@ -116,8 +116,17 @@ def rng_digest() -> str:
 
 
 class RngLog(Callback):
-    """Ranks draw differently first (so their generators differ), then each prints its generator
-    digest at every step boundary and after a resume."""
+    """Ranks draw differently first (so their generators differ), then each appends its generator
+    digest at every step boundary and after a resume to its own file beside the output (lines of two
+    ranks in one shared stdout pipe were once seen one short): read back by rank_rng."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def _log(self, trainer, kind):
+        r = trainer.dist.rank
+        with open(f"{self.out}.rng-rank{r}.log", "a") as f:
+            f.write(f"{kind} {r} {trainer.state.global_step} {rng_digest()}\n")
 
     def on_train_begin(self, trainer):
         r, s = trainer.dist.rank, trainer.state.global_step
@@ -125,11 +134,22 @@ class RngLog(Callback):
             torch.rand(r + 1)
             import random
             random.random() if r else None
-        print(f"RNG BEGIN rank {r} step {s} {rng_digest()}", flush=True)
+        self._log(trainer, "begin")
 
     def on_batch_end(self, trainer):
         if trainer.state.at_boundary:
-            print(f"RNG rank {trainer.dist.rank} step {trainer.state.global_step} {rng_digest()}", flush=True)
+            self._log(trainer, "step")
+
+
+def rank_rng(out, kind: str) -> dict:
+    """{(rank, step): generator digest} of the RngLog lines of one kind ("begin" or "step")."""
+    out, found = Path(out), {}
+    for p in sorted(out.parent.glob(f"{out.name}.rng-rank*.log")):
+        for line in p.read_text().splitlines():
+            k, r, s, digest = line.split()
+            if k == kind:
+                found[(int(r), int(s))] = digest
+    return found
 
 
 class UnsyncedGrads(Callback):
@@ -146,7 +166,8 @@ class UnsyncedGrads(Callback):
 
 
 def rank_counts(out) -> list[dict]:
-    """What each rank of an fsdp run wrote after fit (UnsyncedGrads, local shard sizes), by rank."""
+    """What each rank wrote after fit, by rank: why and at which step it stopped, and in an fsdp run
+    UnsyncedGrads' counts and the local shard sizes."""
     out = Path(out)
     return [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.counts-rank*.json"))]
 
@@ -178,7 +199,7 @@ def main():
     if args.nan_at:
         cbs.append(NaNLossAt(int(x) for x in args.nan_at.split(",")))
     if args.rng_log:
-        cbs.insert(0, RngLog())  # before KillAt: the digest at the step killed is printed
+        cbs.insert(0, RngLog(args.out))  # before KillAt: the digest at the step killed is written
     if args.parallel == "fsdp":
         cbs.append(UnsyncedGrads())
     val = dict(val_data="unused", eval_every=3) if args.val else {}
@@ -189,15 +210,17 @@ def main():
                 callbacks=tuple(cbs), dist=dist, val_dataset=synthetic_rows(args.val, seed=1) if args.val else None)
     unsynced = next((c for c in cbs if isinstance(c, UnsyncedGrads)), None)
     state = t.fit()
+    end = {"stopped": state.stopped, "step": state.global_step}
     if unsynced:
         params = list(t.raw_model.parameters())
         moments = [s["exp_avg"] for s in t.optimizer.state.values()]
-        # one file per rank beside the output (the ranks' lines in one shared stdout pipe were once
-        # seen one short): read back by rank_counts
-        Path(f"{args.out}.counts-rank{dist.rank}.json").write_text(json.dumps({
-            "reduced_early": unsynced.reduced, "checked": unsynced.checked,
-            "local_params": sum(p.to_local().numel() for p in params), "params": sum(p.numel() for p in params),
-            "local_adam": sum(m.to_local().numel() for m in moments), "adam": sum(m.numel() for m in moments)}))
+        end.update({"reduced_early": unsynced.reduced, "checked": unsynced.checked,
+                    "local_params": sum(p.to_local().numel() for p in params),
+                    "params": sum(p.numel() for p in params),
+                    "local_adam": sum(m.to_local().numel() for m in moments), "adam": sum(m.numel() for m in moments)})
+    # one file per rank beside the output (the ranks' lines in one shared stdout pipe were once seen
+    # one short): read back by rank_counts
+    Path(f"{args.out}.counts-rank{dist.rank}.json").write_text(json.dumps(end))
     print("STOPPED", state.stopped, "STEP", state.global_step, flush=True)
     finish(dist)  # see astrai.train.distributed.finish
     teardown(dist)
