@@ -18,10 +18,12 @@ weights, the same threads, and the methods interleaved step by step so machine l
 Reported: tokens/s per method (all tokens of the rows), astrai / hf, the model's 6 x parameters x
 tokens/s in GFLOP/s against a plain float32 matmul of the model's own shapes (each linear's forward
 and two backward matmuls at --row-len rows, measured between the rounds of the same run); then, each
-in a fresh child process, peak RSS and step time of astrai full and astrai LoRA fine-tuning.
+in a fresh child process, peak RSS and step time of astrai full and astrai LoRA fine-tuning, as run and
+with gradient checkpointing, each also with return_freed_memory: true (freed tensors returned to the system).
 Targets: astrai >= 1.3x hf, or >= 85% of the matmul rate; LoRA peak RSS <= 0.6x full.
 
 Run: python bench/finetune.py [--rows 6] [--row-len 1024] [--threads 2] [--peer-lora] [--compile] [--no-memory]
+     python bench/finetune.py --memory-only | --freed-timing
 """
 
 from __future__ import annotations
@@ -84,14 +86,16 @@ def pick_rows(data: Path, n: int, row_len: int) -> list[int]:
 
 
 class AstraiMethod:
-    def __init__(self, model, data: Path, work: Path, lora: bool, compile: bool = False, checkpointing: bool = False):
+    def __init__(self, model, data: Path, work: Path, lora: bool, compile: bool = False, checkpointing: bool = False,
+                 return_freed_memory: bool = False):
         from astrai.train.adapters import add_adapters
         from astrai.train.strategies import make_strategy
         from astrai.train.trainer import Trainer
 
         opts = TrainOptions(data=str(data), output=str(work), model=str(work), lr=LR, progress=False,
                             save_every=10 ** 6, batch_size=1, warmup_steps=0, scheduler="constant",
-                            lora={} if lora else None, compile=compile, gradient_checkpointing=checkpointing)
+                            lora={} if lora else None, compile=compile, gradient_checkpointing=checkpointing,
+                            return_freed_memory=return_freed_memory)
         if lora:
             add_adapters(model, opts)
         self.trainer = Trainer(model, make_strategy("sft"), ShardDataset(data), opts)
@@ -203,20 +207,43 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
 
 
 def child(args, mode: str):
-    """One process: 2 steps of astrai full or LoRA fine-tuning (with --checkpointing: gradient checkpointing
-    on); its peak RSS and the second step's time."""
+    """One process: --child-steps (2) steps of astrai full or LoRA fine-tuning (with --checkpointing:
+    gradient checkpointing on; with --return-freed: return_freed_memory on); its peak RSS and the time of
+    the steps after the first."""
     work = Path(tempfile.mkdtemp(prefix="bench-ft-"))
     ckpt, data = prepare(args.row_len, Path(args.work))
-    rows = pick_rows(data, 3, args.row_len)
-    m = AstraiMethod(load_model(ckpt), data, work, lora=mode == "lora", checkpointing=args.checkpointing)
+    rows = pick_rows(data, args.child_steps, args.row_len)
+    m = AstraiMethod(load_model(ckpt), data, work, lora=mode == "lora", checkpointing=args.checkpointing,
+                     return_freed_memory=args.return_freed)
     m.step(rows[0])
     t = time.perf_counter()
-    m.step(rows[1])
+    for row in rows[1:]:
+        m.step(row)
     secs = time.perf_counter() - t
     with open("/proc/self/status") as fh:  # VmHWM: this process's own peak (ru_maxrss is inherited over exec)
         peak = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
-    print(json.dumps({"mode": mode, "gradient_checkpointing": args.checkpointing, "peak_rss_mb": round(peak),
+    print(json.dumps({"mode": mode, "gradient_checkpointing": args.checkpointing,
+                      "return_freed_memory": args.return_freed, "peak_rss_mb": round(peak),
                       "step_s": round(secs, 2)}))
+
+
+def freed_timing(a, work: Path):
+    """Step time with return_freed_memory on / off, in processes alternating off, on, off, on (one
+    process cannot switch glibc's dynamic threshold back on)."""
+    from child import run_child
+
+    secs = {}
+    for _ in range(2):
+        for mode in ("lora", "full"):
+            for freed in (False, True):
+                r, _, _ = run_child([sys.executable, __file__, "--child", mode, "--child-steps", "6", "--row-len",
+                                     str(a.row_len), "--threads", str(a.threads), "--work", str(work)]
+                                    + (["--return-freed"] if freed else []), cwd=str(HERE), what=f"{mode} {freed}")
+                secs.setdefault((mode, freed), []).append(r["step_s"])
+                print(json.dumps(r), flush=True)
+    for mode in ("lora", "full"):
+        print(f"{mode}: 5 steps {secs[mode, False]} s without, {secs[mode, True]} s with return_freed_memory: "
+              f"x{', x'.join(f'{b / o:.2f}' for o, b in zip(secs[mode, False], secs[mode, True]))}")
 
 
 def main():
@@ -231,6 +258,10 @@ def main():
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "astrai-bench-finetune"))
     p.add_argument("--child", choices=("full", "lora"), help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--return-freed", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child-steps", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--freed-timing", action="store_true", help="only the cost of return_freed_memory: 6-step "
+                   "children (5 timed) with it off and on, alternating, twice, for full and LoRA")
     p.add_argument("--memory-only", action="store_true", help="only the peak-RSS children")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -239,31 +270,44 @@ def main():
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     ckpt, data = prepare(a.row_len, work)
+    if a.freed_timing:
+        return freed_timing(a, work)
     result = {} if a.memory_only else measure(a, ckpt, data, pick_rows(data, a.rows, a.row_len), work)
     print(json.dumps(result), flush=True)
     if not a.no_memory:
         from child import run_child
 
         # activations, not weights, dominate a 135M model's step at 1,024 tokens (LoRA saves each adapted
-        # linear's input as full fine-tuning does): measured as run, and both with gradient checkpointing
+        # linear's input as full fine-tuning does): measured as run, and both with gradient checkpointing;
+        # then both again with return_freed_memory: true (astrai.train.host_memory)
         mem = {}
-        for gc in (False, True):
-            for mode in ("full", "lora"):
-                key = f"{mode}{'+checkpointing' if gc else ''}"
-                mem[key], _, _ = run_child([sys.executable, __file__, "--child", mode, "--row-len", str(a.row_len),
-                                            "--threads", str(a.threads), "--work", str(work)]
-                                           + (["--checkpointing"] if gc else []), cwd=str(HERE), what=f"memory {key}")
+        for freed in (False, True):
+            for gc in (False, True):
+                for mode in ("full", "lora"):
+                    key = f"{mode}{'+checkpointing' if gc else ''}{', return_freed_memory' if freed else ''}"
+                    mem[key], _, _ = run_child(
+                        [sys.executable, __file__, "--child", mode, "--row-len", str(a.row_len), "--threads",
+                         str(a.threads), "--work", str(work)] + (["--checkpointing"] if gc else [])
+                        + (["--return-freed"] if freed else []), cwd=str(HERE), what=f"memory {key}")
         result["memory"] = mem
         result["lora/full peak RSS"] = round(mem["lora"]["peak_rss_mb"] / mem["full"]["peak_rss_mb"], 3)
         result["lora/full peak RSS, both with gradient checkpointing"] = round(
             mem["lora+checkpointing"]["peak_rss_mb"] / mem["full+checkpointing"]["peak_rss_mb"], 3)
+        for key in ("full", "lora", "full+checkpointing", "lora+checkpointing"):
+            result[f"{key} with return_freed_memory / without: peak RSS, step time"] = [round(
+                mem[f"{key}, return_freed_memory"][k] / mem[key][k], 3) for k in ("peak_rss_mb", "step_s")]
+        result["lora/full peak RSS, both with return_freed_memory"] = round(
+            mem["lora, return_freed_memory"]["peak_rss_mb"] / mem["full, return_freed_memory"]["peak_rss_mb"], 3)
+        result["lora/full peak RSS, both with checkpointing and return_freed_memory"] = round(
+            mem["lora+checkpointing, return_freed_memory"]["peak_rss_mb"]
+            / mem["full+checkpointing, return_freed_memory"]["peak_rss_mb"], 3)
     print(json.dumps(result, indent=2))
     if "astrai/hf" in result:
         ok = result["astrai/hf"] >= 1.3 or result["astrai/matmul"] >= 0.85
         print(f"astrai / hf = {result['astrai/hf']:.3f} (target >= 1.3), astrai at 6N = {result['astrai/matmul']:.0%} "
               f"of the matmul rate (target >= 85%): {'PASS' if ok else 'FAIL'}")
     if "memory" in result:
-        for key in ("lora/full peak RSS", "lora/full peak RSS, both with gradient checkpointing"):
+        for key in [k for k in result if k.startswith("lora/full peak RSS")]:
             v = result[key]
             print(f"{key} = {v:.3f} (target <= 0.6): {'PASS' if v <= 0.6 else 'FAIL'}")
 

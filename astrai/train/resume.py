@@ -190,7 +190,7 @@ def read_state(path: Path) -> dict:
 
 # options a continued run may change without changing what was trained so far
 _FREE_OPTIONS = frozenset({"output", "resume", "progress", "max_steps", "epochs", "log_every", "eval_every",
-                           "save_every", "keep_last", "report_to", "device"})
+                           "save_every", "keep_last", "report_to", "device", "return_freed_memory"})
 
 
 def changed_options(saved: dict, now: dict) -> list[str]:

@@ -52,6 +52,7 @@ from astrai.train.batches import RankSampler
 from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
 from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_sync, is_sharded, named_optimizer_state,
                                      reshard, wrap)
+from astrai.train.host_memory import return_freed_memory
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.report import open_reporters
 from astrai.train.strategies import Env, Strategy
@@ -96,6 +97,8 @@ class Trainer:
         o = self.opts = options
         self.dist = dist or Dist()
         self.out = Path(out_dir or o.output)
+        if o.return_freed_memory and self.dist.device.type == "cpu":
+            return_freed_memory()  # process-wide, before the first step's tensors (astrai.train.host_memory)
         self.raw_model = cast(model, self.dist.device, _DTYPES[o.dtype])  # LoRA adapters stay float32
         if o.compile:
             for layer in self.raw_model.model.layers:
