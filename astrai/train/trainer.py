@@ -101,6 +101,10 @@ class Trainer:
             return_freed_memory()  # process-wide, before the first step's tensors (astrai.train.host_memory)
         self.raw_model = cast(model, self.dist.device, _DTYPES[o.dtype])  # LoRA adapters stay float32
         if o.compile:
+            # each layer's attention holds its own layer_idx, an int dynamo would specialise on: one graph
+            # per layer, and past its recompile_limit (8) the remaining layers ran eager (SmolLM2: 22 of 30).
+            # Unspecialised, every layer of the same shapes shares one graph.
+            torch._dynamo.config.allow_unspec_int_on_nn_module = True
             for layer in self.raw_model.model.layers:
                 layer.compile()
         self.model = wrap(self.raw_model, self.dist, o.parallel)

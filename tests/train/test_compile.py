@@ -44,3 +44,28 @@ def test_compiled_layers_train_like_eager_without_recompiling(tmp_path):
     graphs = runs[True][1]
     # the first steps compile (a static graph, then a dynamic-shape one); later layouts reuse them
     assert graphs[0] > 0 and graphs[-1] == graphs[3], graphs
+
+
+def _compiled_graphs(tmp_path, layers: int) -> list[int]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # its counts are the process's, not the reset's
+    count = GraphCount()
+    torch.manual_seed(0)
+    model = ts.CausalLM(ts.CFG.replace(num_hidden_layers=layers))
+    Trainer(model, make_strategy("sft"), ts.synthetic_rows(4, seed=5), ts.options(
+        tmp_path / str(layers), batch_size=1, grad_accum=1, epochs=1, shuffle=False, compile=True,
+        save_every=100), callbacks=(count,)).fit()
+    return count.graphs
+
+
+@pytest.mark.slow
+def test_every_layer_shares_the_compiled_graphs(tmp_path, caplog):
+    """More layers than dynamo's recompile_limit (8): as many graphs as for 2 layers, none left eager
+    (each layer's layer_idx once made its own graph, and layers past the limit ran uncompiled)."""
+    two = _compiled_graphs(tmp_path, 2)
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        twelve = _compiled_graphs(tmp_path, 12)
+    assert twelve == two, (two, twelve)
+    assert "recompile_limit" not in caplog.text
