@@ -26,9 +26,13 @@ def _tokenizer_extra(options, base_dir) -> dict:
     return {"chat_template": text_digest(resolve_template(options.chat_template, base_dir=base_dir).source)}
 
 
+# the configuration modules data stages read (not the train, serve or recipe option models: a change
+# there must not rerun preprocessing)
+_CONFIG = ("astrai.config.loading", "astrai.config.pipeline")
+
 TOKENIZER = StageKind(
     "tokenizer", TokenizerOptions, run_tokenizer_stage, produces="tokenizer", files=("inputs",),
-    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.data.holdout", "astrai.text", "astrai.config",
+    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.data.holdout", "astrai.text", *_CONFIG,
           "astrai.schema"), describe=_describe_tokenizer,
     extra=_tokenizer_extra,
     figures=("vocab_size", "records"))
@@ -36,7 +40,7 @@ TOKENIZER = StageKind(
 PREPROCESS = StageKind(
     "preprocess", PreprocessOptions, run_preprocess_stage, produces="data",
     refs={"tokenizer": ("tokenizer", "model")}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
-    code=("astrai.data", "astrai.config", "astrai.schema", "astrai.text", "astrai.recipe.preprocess_stage"),
+    code=("astrai.data", *_CONFIG, "astrai.schema", "astrai.text", "astrai.recipe.preprocess_stage"),
     describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
     figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"),
     stamped=("train", "val"))

@@ -66,7 +66,7 @@ def data_dirs(output: Path) -> tuple[Path, Optional[Path]]:
 
 
 def load_stage_pipeline(options: PreprocessOptions, base_dir: Path):
-    from astrai.config import load_pipeline
+    from astrai.config.pipeline import load_pipeline
 
     return load_pipeline(base_dir / options.pipeline, tuple(options.overrides))
 
@@ -95,7 +95,7 @@ def describe_preprocess(options: PreprocessOptions, base_dir: Path, upstream: di
 
 def check_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict) -> list[tuple[str, str]]:
     """The pipeline itself is valid (its own located problems) and a tokenizer is named somewhere."""
-    from astrai.config import ConfigError
+    from astrai.config.loading import ConfigError
 
     try:
         pipeline = load_stage_pipeline(options, base_dir)

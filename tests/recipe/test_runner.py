@@ -263,3 +263,14 @@ def test_every_stage_fingerprints_the_code_that_computes_its_output():
         missing = sorted(m for m in _imported_modules(kind.code)
                          if m != "astrai" and not _within(m, kind.code) and not _within(m, NOT_RESULTS))
         assert not missing, f"stage kind {name}: its code list does not cover {missing}"
+
+
+def test_data_stages_do_not_fingerprint_the_train_or_serve_options():
+    # a new train option (astrai/config/train.py) once reran preprocess: its code list held all of astrai.config
+    from astrai.recipe.builtin import recipe_kinds
+
+    for name in ("tokenizer", "preprocess"):
+        code = recipe_kinds()[name].code
+        assert _within("astrai.config.pipeline", code), name
+        for other in ("astrai.config.train", "astrai.config.infer", "astrai.config.serve", "astrai.config.recipe"):
+            assert not _within(other, code), (name, other)
