@@ -36,6 +36,12 @@ class TrainStageOptions(TrainOptions):
     val_data: Optional[str] = Field(
         None, description="a preprocess stage whose val/ split validates; default: the data stage's own val/")
 
+    @classmethod
+    def combination_problems(cls, data) -> list[tuple[tuple, str]]:
+        # TrainOptions' list, less "eval_every needs val_data": the data stage's own val/ may be it (check_train
+        # decides with the upstream facts); it was reported beside any other problem of the stage
+        return [(loc, m) for loc, m in super().combination_problems(data) if not m.startswith("eval_every needs")]
+
     @model_validator(mode="after")
     def _combinations(self):  # replaces TrainOptions' check: val_data may come from the data stage
         if self.output:

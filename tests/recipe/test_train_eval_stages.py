@@ -186,3 +186,18 @@ def test_without_eval_every_the_table_reports_the_final_validation_loss(recipe):
     assert [p[0] for p in curve] == [0, 3]  # before the first step and once at the end
     assert m["val_loss"] == curve[-1][1] and m["val_loss_drop"] == pytest.approx(curve[0][1] - curve[-1][1])
     assert m["val_loss_drop"] != 0
+
+
+def test_a_typo_in_a_train_stage_that_validates_on_its_data_stage_is_the_only_problem():
+    # the bundled main job validates on the preprocess stage's val/ (no val_data key): a typo elsewhere in
+    # its train stage was once reported with a second, false "eval_every needs val_data"
+    from pathlib import Path
+
+    from astrai.config import ConfigError
+    from astrai.recipe.command import load_recipe_spec
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "sft.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_recipe_spec(str(recipe), ("train.return_fred_memory=true",))
+    [p] = e.value.problems
+    assert p.path == "stages.train.return_fred_memory" and "did you mean 'return_freed_memory'" in p.message
