@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -227,23 +226,36 @@ def child(args, mode: str):
                       "step_s": round(secs, 2)}))
 
 
+def run_astrai_child(a, work: Path, mode: str, steps: int = 2, checkpointing: bool = False, freed: bool = False):
+    """One child() process (full or lora; gradient checkpointing, return_freed_memory): its JSON line."""
+    from child import run_child
+
+    r, _, _ = run_child([sys.executable, __file__, "--child", mode, "--child-steps", str(steps), "--row-len",
+                         str(a.row_len), "--threads", str(a.threads), "--work", str(work)]
+                        + (["--checkpointing"] if checkpointing else []) + (["--return-freed"] if freed else []),
+                        cwd=str(HERE), what=f"{mode} child (checkpointing {checkpointing}, return_freed_memory {freed})")
+    return r
+
+
 def freed_timing(a, work: Path):
     """Step time with return_freed_memory on / off, in processes alternating off, on, off, on (one
     process cannot switch glibc's dynamic threshold back on)."""
-    from child import run_child
-
     secs = {}
     for _ in range(2):
         for mode in ("lora", "full"):
             for freed in (False, True):
-                r, _, _ = run_child([sys.executable, __file__, "--child", mode, "--child-steps", "6", "--row-len",
-                                     str(a.row_len), "--threads", str(a.threads), "--work", str(work)]
-                                    + (["--return-freed"] if freed else []), cwd=str(HERE), what=f"{mode} {freed}")
+                r = run_astrai_child(a, work, mode, steps=6, freed=freed)
                 secs.setdefault((mode, freed), []).append(r["step_s"])
                 print(json.dumps(r), flush=True)
     for mode in ("lora", "full"):
         print(f"{mode}: 5 steps {secs[mode, False]} s without, {secs[mode, True]} s with return_freed_memory: "
               f"x{', x'.join(f'{b / o:.2f}' for o, b in zip(secs[mode, False], secs[mode, True]))}")
+
+
+# the memory children's settings: key suffix -> how the LoRA / full ratio is labelled
+SETTINGS = {"": "", "+checkpointing": ", both with gradient checkpointing",
+            ", return_freed_memory": ", both with return_freed_memory",
+            "+checkpointing, return_freed_memory": ", both with checkpointing and return_freed_memory"}
 
 
 def main():
@@ -275,32 +287,21 @@ def main():
     result = {} if a.memory_only else measure(a, ckpt, data, pick_rows(data, a.rows, a.row_len), work)
     print(json.dumps(result), flush=True)
     if not a.no_memory:
-        from child import run_child
-
         # activations, not weights, dominate a 135M model's step at 1,024 tokens (LoRA saves each adapted
         # linear's input as full fine-tuning does): measured as run, and both with gradient checkpointing;
         # then both again with return_freed_memory: true (astrai.train.host_memory)
         mem = {}
-        for freed in (False, True):
-            for gc in (False, True):
-                for mode in ("full", "lora"):
-                    key = f"{mode}{'+checkpointing' if gc else ''}{', return_freed_memory' if freed else ''}"
-                    mem[key], _, _ = run_child(
-                        [sys.executable, __file__, "--child", mode, "--row-len", str(a.row_len), "--threads",
-                         str(a.threads), "--work", str(work)] + (["--checkpointing"] if gc else [])
-                        + (["--return-freed"] if freed else []), cwd=str(HERE), what=f"memory {key}")
+        for suffix in SETTINGS:
+            for mode in ("full", "lora"):
+                mem[mode + suffix] = run_astrai_child(a, work, mode, checkpointing="checkpointing" in suffix,
+                                                      freed="return_freed_memory" in suffix)
         result["memory"] = mem
-        result["lora/full peak RSS"] = round(mem["lora"]["peak_rss_mb"] / mem["full"]["peak_rss_mb"], 3)
-        result["lora/full peak RSS, both with gradient checkpointing"] = round(
-            mem["lora+checkpointing"]["peak_rss_mb"] / mem["full+checkpointing"]["peak_rss_mb"], 3)
+        for suffix, label in SETTINGS.items():
+            result[f"lora/full peak RSS{label}"] = round(
+                mem["lora" + suffix]["peak_rss_mb"] / mem["full" + suffix]["peak_rss_mb"], 3)
         for key in ("full", "lora", "full+checkpointing", "lora+checkpointing"):
             result[f"{key} with return_freed_memory / without: peak RSS, step time"] = [round(
                 mem[f"{key}, return_freed_memory"][k] / mem[key][k], 3) for k in ("peak_rss_mb", "step_s")]
-        result["lora/full peak RSS, both with return_freed_memory"] = round(
-            mem["lora, return_freed_memory"]["peak_rss_mb"] / mem["full, return_freed_memory"]["peak_rss_mb"], 3)
-        result["lora/full peak RSS, both with checkpointing and return_freed_memory"] = round(
-            mem["lora+checkpointing, return_freed_memory"]["peak_rss_mb"]
-            / mem["full+checkpointing, return_freed_memory"]["peak_rss_mb"], 3)
     print(json.dumps(result, indent=2))
     if "astrai/hf" in result:
         ok = result["astrai/hf"] >= 1.3 or result["astrai/matmul"] >= 0.85

@@ -9,7 +9,7 @@ run before any work. Like the rest of astrai.config, this imports neither torch 
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
@@ -221,10 +221,15 @@ class TrainOptions(StrictModel):
 
         return self.model_copy(update={"reward": fix(self.reward), "rewards": [fix(r) for r in self.rewards]})
 
+    # a recipe's train stage validates on its data stage's val/ when it names no val_data (checked there,
+    # with the upstream stage's facts): no "eval_every needs val_data" from the options alone
+    val_data_from_data_stage: ClassVar[bool] = False
+
     @classmethod
     def combination_problems(cls, data) -> list[tuple[tuple, str]]:
         p = []
-        if get_in(data, "eval_every") is not None and get_in(data, "val_data") is None:
+        if not cls.val_data_from_data_stage and get_in(data, "eval_every") is not None \
+                and get_in(data, "val_data") is None:
             p.append((("eval_every",), "eval_every needs val_data (a preprocessed validation directory)"))
         strategy = get_in(data, "strategy", default="sft")
         if get_in(data, "ref_model") is not None and strategy not in ("dpo", "grpo"):

@@ -72,11 +72,11 @@ def source_stamp(spec: str) -> dict:
     name = spec[len("package:"):]
     gguf = _gguf_file(name)
     st = gguf.stat()
-    digest = _recorded_sha256(name, gguf) or _read_sha256(str(gguf), st.st_size, st.st_mtime_ns)
+    digest = _recorded_sha256(name, gguf, st.st_size) or _read_sha256(str(gguf), st.st_size, st.st_mtime_ns)
     return {"gguf": gguf.name, "size": st.st_size, "sha256": digest}
 
 
-def _recorded_sha256(name: str, gguf: Path) -> Optional[str]:
+def _recorded_sha256(name: str, gguf: Path, size: int) -> Optional[str]:
     """The file's sha256 as pip wrote it in the installed package's RECORD (a few ms: every `astrai run`
     fingerprints this stage), when that package is the one holding this very file of this size."""
     import base64
@@ -87,7 +87,7 @@ def _recorded_sha256(name: str, gguf: Path) -> Optional[str]:
     except importlib.metadata.PackageNotFoundError:
         return None
     for f in dist.files or ():
-        if f.name == gguf.name and f.hash is not None and f.hash.mode == "sha256" and f.size == gguf.stat().st_size \
+        if f.name == gguf.name and f.hash is not None and f.hash.mode == "sha256" and f.size == size \
                 and Path(dist.locate_file(f)).resolve() == gguf.resolve():
             return base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4)).hex()
     return None

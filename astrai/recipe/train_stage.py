@@ -21,9 +21,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from astrai.config.train import TrainOptions, save_every_problems
+from astrai.config.loading import get_in
+from astrai.config.train import TrainOptions
 
 RECIPE_SET = ("output",)  # fields the recipe fills in
 
@@ -36,21 +37,16 @@ class TrainStageOptions(TrainOptions):
     val_data: Optional[str] = Field(
         None, description="a preprocess stage whose val/ split validates; default: the data stage's own val/")
 
+    val_data_from_data_stage = True  # check_train decides, with the data stage's facts
+
     @classmethod
     def combination_problems(cls, data) -> list[tuple[tuple, str]]:
-        # TrainOptions' list, less "eval_every needs val_data": the data stage's own val/ may be it (check_train
-        # decides with the upstream facts); it was reported beside any other problem of the stage
-        return [(loc, m) for loc, m in super().combination_problems(data) if not m.startswith("eval_every needs")]
-
-    @model_validator(mode="after")
-    def _combinations(self):  # replaces TrainOptions' check: val_data may come from the data stage
-        if self.output:
-            raise ValueError("output is decided by the recipe (RUN/<stage>/output); remove it")
-        if self.ref_model is not None and self.strategy not in ("dpo", "grpo"):
-            raise ValueError(f"ref_model is only used by dpo and grpo, not {self.strategy}")
-        for _, problem in save_every_problems(self.strategy, self.save_every, self.grpo_updates):
-            raise ValueError(problem)
-        return self
+        # TrainOptions' checks (betas, lora, rewards, ...), and the output the recipe decides; TrainOptions'
+        # validator raises them for a valid-typed stage as for `astrai train`
+        p = super().combination_problems(data)
+        if get_in(data, "output"):
+            p.insert(0, (("output",), "output is decided by the recipe (RUN/<stage>/output); remove it"))
+        return p
 
 
 STRATEGY_DATA = {"sft": ("labels",), "seq": ("labels", "text"), "dpo": ("dpo",), "grpo": ("grpo",)}

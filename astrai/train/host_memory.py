@@ -11,8 +11,8 @@ Measured on SmolLM2-135M, rows of 1,024 tokens, 2 threads, peak RSS of 2 steps (
 --memory-only; bench/RESULTS.md): LoRA 3,466 -> 2,413 MB, LoRA with gradient checkpointing 2,265 ->
 1,311 MB, full fine-tuning 4,084 -> 3,499 MB; but every large tensor then starts on fresh pages the
 kernel must zero, so steps are slower: LoRA x1.41-1.77, full x1.08-1.25 (5 steps each, processes
-alternating; bench/finetune.py --freed-timing). Hence the train option `return_freed_memory`, off by default: for a run that does not
-otherwise fit in memory.
+alternating; bench/finetune.py --freed-timing). Hence the train option `return_freed_memory`, off by
+default: for a run that does not otherwise fit in memory.
 
 `return_freed_memory(threshold)` fixes the threshold (which also stops the dynamic rise) with
 mallopt(M_MMAP_THRESHOLD); a no-op returning False where the C library has no such call (macOS) or
@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-THRESHOLD = 256 * 1024  # below a [1024, 64] float32 tensor; small objects stay on the heap
+THRESHOLD = 256 * 1024  # a [1024, 64] float32 tensor; smaller objects stay on the heap
 
 
 def return_freed_memory(threshold: int = THRESHOLD) -> bool:

