@@ -20,7 +20,11 @@ tokens/s in GFLOP/s against a plain float32 matmul of the model's own shapes (ea
 and two backward matmuls at --row-len rows, measured between the rounds of the same run); then, each
 in a fresh child process, peak RSS and step time of astrai full and astrai LoRA fine-tuning, as run and
 with gradient checkpointing, each also with return_freed_memory: true (freed tensors returned to the system).
-Targets: astrai >= 1.3x hf, or >= 85% of the matmul rate; LoRA peak RSS <= 0.6x full.
+Targets: astrai >= 1.3x hf, or >= 85% of the matmul rate; LoRA peak RSS <= 0.6x full. Also
+printed: the timed steps' floor (their matmuls at the run's best matmul rate, the LM head only where
+a target is, plus their causal attention through torch's SDPA, forward and backward, timed at the
+rows' document lengths; everything else free), and each method's time against it: transformers'
+time over the floor bounds what any trainer could gain over transformers on this machine.
 
 Run: python bench/finetune.py [--rows 6] [--row-len 1024] [--threads 2] [--peer-lora] [--compile] [--no-memory]
      python bench/finetune.py --memory-only | --freed-timing
@@ -166,6 +170,44 @@ def matmul_rate(config, rows: int, repeats: int = 3) -> float:
     return flops / best / 1e9
 
 
+def attention_seconds(config, lengths: list[int], cache: dict, repeats: int = 3) -> float:
+    """Seconds of one layer's causal attention, forward and backward (torch's SDPA, the kernel both
+    trainers use on CPU), over documents of these lengths; best of `repeats`, cached per length."""
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    total = 0.0
+    for n in lengths:
+        if n not in cache:
+            q = torch.randn(1, hq, n, d, requires_grad=True)
+            k, v = (torch.randn(1, hkv, n, d, requires_grad=True) for _ in range(2))
+            g = torch.randn(1, hq, n, d)
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                 enable_gqa=hq != hkv).backward(g)
+                best = min(best, time.perf_counter() - t)
+            cache[n] = best
+        total += cache[n]
+    return total
+
+
+def step_floor(config, params: int, row: dict, matmul_gflops: float, cache: dict) -> float:
+    """Seconds a step on this row cannot go under: its matmuls at the measured matmul rate (6 x
+    parameters x tokens, the LM head only at positions with a target, as astrai computes it) plus
+    its attention (attention_seconds x layers). Norms, activations, the loss, the optimizer and
+    everything else count as zero, so this is a floor for any trainer on this machine."""
+    from astrai.train.lm_loss import shift_targets
+    from astrai.schema import IGNORE_INDEX
+
+    lens = row["seq_lens"].tolist()
+    labels = torch.as_tensor(row["labels"])
+    cu = torch.tensor([0] + lens).cumsum(0)
+    trained = int((shift_targets(labels, cu) != IGNORE_INDEX).sum())
+    head = config.vocab_size * config.hidden_size
+    flops = 6 * ((params - head) * len(labels) + head * trained)
+    return flops / (matmul_gflops * 1e9) + config.num_hidden_layers * attention_seconds(config, lens, cache)
+
+
 def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
     base = load_model(ckpt)
     config, params = base.config, base.num_parameters()
@@ -197,12 +239,20 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
     tps = {k: seen[k] / secs[k] for k in names}
     matmul = statistics.median(rates)
     gflops = 6 * params * tps["astrai"] / 1e9
+    ds, cache = ShardDataset(data), {}
+    floor = sum(step_floor(config, params, ds[i], max(rates), cache) for i in rows[1:])
+    print(f"step floor (matmuls at the best matmul rate of the run + SDPA attention): {floor:.1f} s for the timed "
+          f"steps; astrai {secs['astrai']:.1f} s ({secs['astrai'] / floor:.2f}x the floor), transformers "
+          f"{secs['hf']:.1f} s ({secs['hf'] / floor:.2f}x): no trainer could beat transformers by more than "
+          f"{secs['hf'] / floor:.2f}x on this machine", file=sys.stderr, flush=True)
     return {"parameters": params, "row_len": args.row_len, "steps": len(rows) - 1, "threads": args.threads,
             "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
             "astrai/hf": round(tps["astrai"] / tps["hf"], 3),
             "astrai-lora/astrai step time": round(tps["astrai"] / tps["astrai-lora"], 3),
             "astrai_gflops_6N": round(gflops, 1), "matmul_gflops": round(matmul, 1),
-            "matmul_gflops_all": [round(r, 1) for r in rates], "astrai/matmul": round(gflops / matmul, 3)}
+            "matmul_gflops_all": [round(r, 1) for r in rates], "astrai/matmul": round(gflops / matmul, 3),
+            "step_floor_s": round(floor, 2), "astrai/floor": round(secs["astrai"] / floor, 3),
+            "hf/floor (the most any trainer could gain over hf)": round(secs["hf"] / floor, 3)}
 
 
 def child(args, mode: str):

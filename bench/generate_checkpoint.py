@@ -17,6 +17,13 @@ Scenarios (tokens/s = tokens generated / seconds, best and range over --repeats 
   the weight-bandwidth bound: bytes of weights / seconds to copy a buffer of that size (torch's
   copy_, same threads, best of 5), i.e. the decode rate if a step cost one pass over the weights
   at copy speed; the batch-1 decode rates are printed as a share of it.
+  the matmul floor of the 16-chat scenarios: what each side's projections and LM head alone cost
+  for the steps it took (transformers: one prefill of 16 x the longest prompt, then one 16-row
+  step per token of the longest answer; astrai: one prefill of the prompts' tokens, then one step
+  per token with as many rows as answers still running), each product timed bare (F.linear on the
+  model's own weights, best of 3), attention, norms and everything else left out. Neither side can
+  run under its floor, so transformers' measured time over astrai's floor bounds what any engine
+  work could gain over transformers on this machine.
 The greedy token ids of the engine are compared with transformers' (one at a time) and the number
 of identical completions printed. With --llama-cpp GGUF, llama-cpp-python (when installed: an
 optional outside reference, never a dependency) decodes the same chats from that file.
@@ -63,6 +70,34 @@ def bandwidth_bound(weight_bytes: int) -> tuple[float, float]:
         b.copy_(a)
         best = min(best, time.perf_counter() - t)
     return weight_bytes / best, 1.0 / best
+
+
+def matmul_seconds(weights: list[torch.Tensor], rows: int, cache: dict) -> float:
+    """Seconds of F.linear over every weight at `rows` input rows (best of 3), cached by rows."""
+    if rows not in cache:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(3):
+                t = time.perf_counter()
+                for w in weights:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+                best = min(best, time.perf_counter() - t)
+        cache[rows] = best
+    return cache[rows]
+
+
+def matmul_floors(model, prompts: list[list[int]], hf_rows: list[list[int]], astrai_rows: list[list[int]]):
+    """(transformers' floor, astrai's floor) in seconds for the 16-chat scenarios (see the module doc)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    cache: dict = {}
+    hf_steps = max(map(len, hf_rows)) - 1
+    hf = matmul_seconds(weights, len(prompts) * max(map(len, prompts)), cache) + \
+        hf_steps * matmul_seconds(weights, len(prompts), cache)
+    ours = matmul_seconds(weights, sum(map(len, prompts)), cache)
+    for step in range(1, max(map(len, astrai_rows))):
+        ours += matmul_seconds(weights, sum(len(r) > step for r in astrai_rows), cache)
+    return hf, ours
 
 
 class HF:
@@ -168,6 +203,14 @@ def run(args):
     for name, v in rates.items():
         share = f"{max(v) / bound:9.2f}" if "decode" in name else ""
         print(f"{name:40s} {max(v):14.1f} {min(v):8.1f}-{max(v):8.1f} {max(v) / base:14.2f} {share}")
+    hf_floor, our_floor = matmul_floors(engine.model, prompts, outs["transformers, 16 in one padded batch"],
+                                        outs["astrai, 16 at once"])
+    hf_best = sum(map(len, outs["transformers, 16 in one padded batch"])) / base
+    ours_best = sum(map(len, outs["astrai, 16 at once"])) / max(rates["astrai, 16 at once"])
+    print(f"matmul floor of the 16-chat scenarios: transformers {hf_floor:.2f} s (measured {hf_best:.2f} s, "
+          f"{hf_best / hf_floor:.2f}x its floor), astrai {our_floor:.2f} s (measured {ours_best:.2f} s, "
+          f"{ours_best / our_floor:.2f}x its floor); the most any engine could gain over transformers "
+          f"here: {hf_best / our_floor:.2f}x")
     ref = outs["transformers, one chat at a time"]
     for name in ("astrai, one chat at a time", "astrai, 16 at once", "transformers, 16 in one padded batch"):
         same = sum(a == b for a, b in zip(outs[name], ref))
