@@ -87,10 +87,15 @@ class TokenSpans:
 
     @classmethod
     def from_offsets(cls, offsets: np.ndarray, text_len: int) -> "TokenSpans":
+        return cls.from_arrays(offsets[:, 0], offsets[:, 1], text_len)
+
+    @classmethod
+    def from_arrays(cls, starts: np.ndarray, ends: np.ndarray, text_len: int) -> "TokenSpans":
+        """From each token's character start and end (astrai.data.offsets computes them from ids)."""
         self = cls.__new__(cls)
-        self.enc, self.n, self.text_len = None, len(offsets), text_len
-        self._arrays = (offsets[:, 0], offsets[:, 1])
-        self._ends_at(lambda k: tuple(offsets[k]))
+        self.enc, self.n, self.text_len = None, len(starts), text_len
+        self._arrays = (starts, ends)
+        self._ends_at(lambda k: (starts[k], ends[k]))
         return self
 
     def _ends_at(self, chars):

@@ -3,7 +3,8 @@
 One `Processor` per (pipeline, tokenizer). `process_batch` takes a batch of records and returns,
 per record, a `RecordOutput` (kept: one or more `TokenSeq` per source), a `Filtered` (dropped with a
 reason) or a `RecordError` (bad input).
-Texts of the whole batch are tokenized together with `encode_batch` (the Rust tokenizer's threads).
+Texts of the whole batch are tokenized together (the Rust tokenizer's threads), without offsets
+wherever character spans are not needed or follow from the ids (astrai.data.offsets).
 
 Sections (single output) or sources (one token sequence per named source) are built the same way:
 - template sections render the field's messages (a list of fields is concatenated, e.g.
@@ -26,6 +27,7 @@ from astrai.errors import RecordError
 from astrai.data.mask import (
     RenderedChat, TokenSpans, label_tokens, message_of_tokens, prompt_probe, render_with_regions,
 )
+from astrai.data.offsets import ByteSpans
 from astrai.text.template import ChatTemplate, resolve_template
 from astrai.text.tokenizer import Tokenizer, with_added_tokens
 from astrai.data.turns import answer_sources, empty_messages, end_answer, end_of_turn_id
@@ -88,6 +90,10 @@ class _Part:
     chat: Optional[RenderedChat] = None
     roles: list[str] = field(default_factory=list)
 
+    @property
+    def key(self) -> tuple[bool, bool]:  # texts encoded together: add_special_tokens, spans needed
+        return self.add_special, self.chat is not None
+
 
 class Processor:
     def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer, base_dir=None, template: Optional[ChatTemplate] = None):
@@ -97,6 +103,7 @@ class Processor:
         if self.template is None and pipeline.chat_template is not None:
             self.template = resolve_template(pipeline.chat_template, self.tok, base_dir)
         self.special = dict(self.tok.special_tokens_map)
+        self.byte_spans = ByteSpans.of(self.tok.tok)  # None: chat texts are encoded with offsets
         self.kwargs = dict(pipeline.input.template_kwargs)
         self.gen_prompt, self.answer_lead, after_answer = (
             prompt_probe(self.template, self.special, self.kwargs) if self.template else ("", "", ""))
@@ -153,9 +160,9 @@ class Processor:
             if pending is not None:
                 yield pending[0], self._assemble_batch(pending[1], pending[2].result())
 
-    def _prepare_batch(self, records: list[dict]) -> tuple[list, dict[bool, list[str]]]:
+    def _prepare_batch(self, records: list[dict]) -> tuple[list, dict[tuple, list[str]]]:
         prepared: list[Union[tuple, Filtered, RecordError]] = []
-        texts: dict[bool, list[str]] = {True: [], False: []}
+        texts: dict[tuple, list[str]] = {}  # _Part.key -> its texts, in order
         for rec in records:
             try:
                 prepared.append(self._prepare(rec))
@@ -169,12 +176,15 @@ class Processor:
             if isinstance(prepared[-1], Filtered):
                 continue
             for part in _parts_of(prepared[-1][0]):
-                texts[part.add_special].append(part.text)
+                texts.setdefault(part.key, []).append(part.text)
         return prepared, texts
 
-    def _encode(self, texts: dict[bool, list[str]]) -> dict:
-        return {flag: iter(self.tok.tok.encode_batch(t, add_special_tokens=flag)) if t else iter(())
-                for flag, t in texts.items()}
+    def _with_offsets(self, add_special: bool, chat: bool) -> bool:  # chat texts need character spans
+        return chat and (self.byte_spans is None or not self.byte_spans.usable(add_special))
+
+    def _encode(self, texts: dict[tuple, list[str]]) -> dict:
+        encode = {True: self.tok.tok.encode_batch, False: self.tok.tok.encode_batch_fast}
+        return {key: iter(encode[self._with_offsets(*key)](t, add_special_tokens=key[0])) for key, t in texts.items()}
 
     def _assemble_batch(self, prepared: list, encoded: dict) -> list[Result]:
         out: list[Result] = []
@@ -183,7 +193,7 @@ class Processor:
                 out.append(prep)
                 continue
             # every prepared record takes its encodings in order, even if it fails below
-            encs = [next(encoded[part.add_special]) for part in _parts_of(prep[0])]
+            encs = [next(encoded[part.key]) for part in _parts_of(prep[0])]
             try:
                 out.append(self._assemble(prep, iter(encs)))
             except RecordError as e:
@@ -315,7 +325,7 @@ class Processor:
             enc = next(encs)
             ids = np.asarray(enc.ids, dtype=np.int32)
             if part.chat is not None:
-                spans = TokenSpans(enc, len(part.text))
+                spans = self._spans(enc, ids, part)
                 if part.train:
                     labels = label_tokens(part.chat, ids, spans, self.tok.special_ids,
                                           self.p.preprocessing.end_of_turn)
@@ -334,6 +344,12 @@ class Processor:
         labels = np.concatenate(lab_l) if lab_l else np.zeros(0, np.int32)
         tmsg = np.concatenate(msg_l) if msg_l else np.zeros(0, np.int32)
         return TokenSeq(ids, labels if self.has_labels else None, tmsg, roles)
+
+    def _spans(self, enc, ids: np.ndarray, part: _Part) -> TokenSpans:
+        got = None if self._with_offsets(*part.key) else self.byte_spans.spans(ids, part.text)
+        if got is None and not self._with_offsets(*part.key):  # ids that do not spell the text: with offsets
+            enc = self.tok.tok.encode(part.text, add_special_tokens=part.add_special)
+        return TokenSpans(enc, len(part.text)) if got is None else TokenSpans.from_arrays(*got, len(part.text))
 
     def _truncate(self, seq: TokenSeq) -> TokenSeq:
         limit = self.p.preprocessing.max_seq_len
