@@ -75,15 +75,18 @@ class ByteSpans:
         the ids do not spell the text's bytes."""
         if len(ids) == 0:
             return (np.zeros(0, np.int64),) * 2 if not text else None
-        if int(ids.min()) < 0 or int(ids.max()) >= len(self.lengths):
+        try:
+            lens = self.lengths[ids]  # ids are never negative: the tokenizer's are unsigned
+        except IndexError:
             return None
-        lens = self.lengths[ids]
-        if int(lens.min()) == -2:
+        least = lens.min()
+        if least == -2:
             self._look_up(np.unique(ids[lens == -2]))
             lens = self.lengths[ids]
-        if int(lens.min()) <= 0:
+            least = lens.min()
+        if least <= 0:
             return None
-        ends = np.cumsum(lens)
+        ends = lens.cumsum()
         starts = ends - lens
         if text.isascii():
             return (starts, ends) if int(ends[-1]) == len(text) else None

@@ -349,7 +349,7 @@ class Processor:
         got = None if self._with_offsets(*part.key) else self.byte_spans.spans(ids, part.text)
         if got is None and not self._with_offsets(*part.key):  # ids that do not spell the text: with offsets
             enc = self.tok.tok.encode(part.text, add_special_tokens=part.add_special)
-        return TokenSpans(enc, len(part.text)) if got is None else TokenSpans.from_arrays(*got, len(part.text))
+        return TokenSpans(enc, len(part.text)) if got is None else TokenSpans.for_chat(part.chat, *got)
 
     def _truncate(self, seq: TokenSeq) -> TokenSeq:
         limit = self.p.preprocessing.max_seq_len
