@@ -38,8 +38,8 @@ _PROBE = "Hi there!\n\n  x\t=  3.14159 e\u0301 日本語 🎉🚀 ß İ ﬁ \u20
 class ByteSpans:
     def __init__(self, tok):
         self.tok = tok
-        # byte length per id, looked up as ids first occur (a whole 129k vocabulary costs 0.1 s up
-        # front): -2 not looked up yet, -1 unknown; added tokens are known from the start
+        # byte length per id: -1 unknown, -2 not looked up yet (the vocabulary is looked up whole, 0.1 s
+        # for 129k entries, by the first text with such an id; the probe looks up its own ids only)
         added = tok.get_added_tokens_decoder()
         self.lengths = np.full(max([tok.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added)]), -2, np.int64)
         for i, t in added.items():
@@ -59,6 +59,7 @@ class ByteSpans:
             added = [str(t.content) for t in tok.get_added_tokens_decoder().values() if not (t.lstrip or t.rstrip)]
             probe = _PROBE + "".join(sorted(added)[:50])  # with added tokens of known length, text-adjacent
             enc = tok.encode(probe, add_special_tokens=False)
+            self._look_up(np.unique(np.asarray(enc.ids, dtype=np.int64)))
             got = self.spans(np.asarray(enc.ids, dtype=np.int64), probe)
         except Exception:  # a tokenizers version without these accessors: keep the encoding's offsets
             return None
@@ -81,7 +82,7 @@ class ByteSpans:
             return None
         least = lens.min()
         if least == -2:
-            self._look_up(np.unique(ids[lens == -2]))
+            self._look_up(np.flatnonzero(self.lengths == -2))
             lens = self.lengths[ids]
             least = lens.min()
         if least <= 0:
@@ -102,7 +103,7 @@ class ByteSpans:
     def _look_up(self, ids: np.ndarray):
         """Byte lengths of vocabulary ids: their characters, each one byte of the byte-level alphabet
         (an entry with any other character: unknown)."""
-        words = [self.tok.id_to_token(int(i)) or "" for i in ids]
+        words = [self.tok.id_to_token(i) or "" for i in ids.tolist()]
         n_chars = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
         points = np.frombuffer("".join(words).encode("utf-32-le"), dtype=np.uint32)
         bad = np.concatenate([[0], np.cumsum(~_ONE_BYTE[np.minimum(points, len(_ONE_BYTE) - 1)])])
