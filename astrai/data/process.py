@@ -29,7 +29,7 @@ from astrai.data.mask import (
 )
 from astrai.data.offsets import ByteSpans
 from astrai.text.template import ChatTemplate, resolve_template
-from astrai.text.tokenizer import Tokenizer, with_added_tokens
+from astrai.text.tokenizer import Tokenizer, widen_bpe_cache, with_added_tokens
 from astrai.data.turns import answer_sources, empty_messages, end_answer, end_of_turn_id
 from astrai.data.messages import read_messages, section_fields
 from astrai.data.values import check_unicode, check_value, type_name
@@ -104,6 +104,7 @@ class Processor:
             self.template = resolve_template(pipeline.chat_template, self.tok, base_dir)
         self.special = dict(self.tok.special_tokens_map)
         self.byte_spans = ByteSpans.of(self.tok.tok)  # None: chat texts are encoded with offsets
+        widen_bpe_cache(self.tok.tok)
         self.kwargs = dict(pipeline.input.template_kwargs)
         self.gen_prompt, self.answer_lead, after_answer = (
             prompt_probe(self.template, self.special, self.kwargs) if self.template else ("", "", ""))
@@ -112,10 +113,8 @@ class Processor:
         # the pipeline sets mask_default: then that rule covers every other role.
         self.any_role = pipeline.mask_default is not None
         self.roles_allowed = list(pipeline.mask)  # in the pipeline's order, for messages
-        if pipeline.input.sections is not None:
-            self.sources = {"": (pipeline.input.sections, None)}
-        else:
-            self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
+        self.sources = ({"": (pipeline.input.sections, None)} if pipeline.input.sections is not None else
+                        {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()})
         self.list_sources = {name for name, (_, list_field) in self.sources.items() if list_field is not None}
         self.prompt_groups = _shared_prompt_groups(self.sources)
         # plain-text answers to a chat prompt (GRPO completions) end with the end-of-turn token (turns.py)
@@ -162,7 +161,7 @@ class Processor:
 
     def _prepare_batch(self, records: list[dict]) -> tuple[list, dict[tuple, list[str]]]:
         prepared: list[Union[tuple, Filtered, RecordError]] = []
-        texts: dict[tuple, list[str]] = {}  # _Part.key -> its texts, in order
+        texts: dict[tuple, list[str]] = {}
         for rec in records:
             try:
                 prepared.append(self._prepare(rec))
@@ -175,7 +174,7 @@ class Processor:
                 continue
             if isinstance(prepared[-1], Filtered):
                 continue
-            for part in _parts_of(prepared[-1][0]):
+            for part in _parts_of(prepared[-1][0]):  # texts by _Part.key, in order
                 texts.setdefault(part.key, []).append(part.text)
         return prepared, texts
 

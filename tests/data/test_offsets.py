@@ -163,3 +163,17 @@ def test_processor_output_is_the_same_with_offsets(base_tok, family):
                 assert np.array_equal(getattr(sa, col), getattr(sb, col)), col
         elif isinstance(ra, RecordError):
             assert (ra.reason, str(ra)) == (rb.reason, str(rb))
+
+
+def test_widened_bpe_cache_gives_the_same_ids(base_tok):
+    from tokenizers import models
+
+    from astrai.text.tokenizer import widen_bpe_cache
+
+    texts = random_texts(200, seed=2) + chat_texts(with_added_tokens(base_tok, ["<|im_start|>", "<|im_end|>"]))
+    wide, plain = copy_of(base_tok.tok), copy_of(base_tok.tok)
+    widen_bpe_cache(wide, 50)  # a small cache that fills: the words past it are merged as without one
+    assert [e.ids for e in wide.encode_batch_fast(texts)] == [e.ids for e in plain.encode_batch(texts)]
+    other = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    widen_bpe_cache(other)  # not BPE: left alone
+    assert other.encode("a").ids == [0]
