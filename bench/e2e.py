@@ -7,11 +7,8 @@ Floor ratio (first): the whole `astrai preprocess` process (interpreter start to
 load, read, render, tokenize, mask, pack bfd 4096, write, stats; `--workers 2`, default
 partitions) against the floor, `Tokenizer.encode_batch` on the same conversations already
 rendered with the chat template (in its own fresh process, batches of 1,000, the tokenizer's own
-threads; only the encode calls are timed; the tokenizer as loaded). tokens/s of each, the ratio
-whole / floor (target >= 0.9), median of --floor-repeats runs whose order rotates. The same floor
-process also times the ids-only floor, what astrai's own encode calls cost: `encode_batch_fast`
-(no offsets: astrai computes token spans from the ids) with the BPE cache astrai widens; it is
-printed for the record, beside the ratio to it. `--before DIR` (an older astrai tree,
+threads; only the encode calls are timed). tokens/s of each, the ratio whole / floor (target
+>= 0.9), median of --floor-repeats runs whose order rotates. `--before DIR` (an older astrai tree,
 e.g. `git archive COMMIT | tar -x -C DIR`) times that tree's whole process in the same rotation,
 for a before/after figure on the same load; every whole run's output (both trees) must be
 byte-identical. `--packing ''` measures only the floor ratio. Tokens per CPU second (the floor's
@@ -116,29 +113,19 @@ FLOOR_TARGET = 0.9
 
 
 def floor_child(args):
-    """The floor in this (fresh) process: encode_batch on the rendered conversations, the tokenizer as
-    loaded; then (or first: --floor-order) the ids-only floor, encode_batch_fast with the BPE cache
-    astrai sets (astrai.text.tokenizer.widen_bpe_cache), each on its own freshly loaded tokenizer.
-    One JSON line."""
+    """The floor in this (fresh) process: encode_batch on the rendered conversations; one JSON line."""
     from astrai.config import load_pipeline
     from astrai.data.process import Processor
-    from astrai.text.tokenizer import load_tokenizer, widen_bpe_cache
+    from astrai.text.tokenizer import load_tokenizer
 
     pipe = load_pipeline(PIPELINE)
     proc = Processor(pipe, load_tokenizer(TOKENIZER, str(ROOT), pipe.added_tokens), str(ROOT))
     with open(args.input, encoding="utf-8") as fh:
         texts = [proc.template.render(json.loads(line)["messages"], special_tokens=proc.special) for line in fh]
-    res = {}
-    for side in (["floor", "ids"] if args.floor_order == 0 else ["ids", "floor"]):
-        tok = load_tokenizer(TOKENIZER, str(ROOT), pipe.added_tokens).tok
-        if side == "ids":
-            widen_bpe_cache(tok)
-        encode = tok.encode_batch if side == "floor" else tok.encode_batch_fast
-        t0, c0 = time.perf_counter(), time.process_time()
-        tokens = sum(len(e.ids) for i in range(0, len(texts), 1000)
-                     for e in encode(texts[i:i + 1000], add_special_tokens=False))
-        res[side] = {"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0, "tokens": tokens}
-    print(json.dumps({**res["floor"], "ids": res["ids"]}))
+    t0, c0 = time.perf_counter(), time.process_time()
+    tokens = sum(len(e.ids) for i in range(0, len(texts), 1000)
+                 for e in proc.tok.tok.encode_batch(texts[i:i + 1000], add_special_tokens=False))
+    print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0, "tokens": tokens}))
 
 
 def whole_process(input_path: Path, out: Path, workers: int, tree: Path = ROOT) -> dict:
@@ -168,18 +155,14 @@ def floor_ratio(input_path: Path, tmp: Path, repeats: int, before: Path | None =
     from child import run_child as run
 
     sides = ["floor", "whole"] + (["before"] if before else [])
-    speed: dict[str, list[float]] = {s: [] for s in sides + ["ids"]}
-    per_cpu: dict[str, list[float]] = {s: [] for s in sides + ["ids"]}  # tokens per CPU second: less load-bound
+    speed: dict[str, list[float]] = {s: [] for s in sides}
+    per_cpu: dict[str, list[float]] = {s: [] for s in sides}  # tokens per CPU second: less load-bound
     digests: dict[str, set] = {s: set() for s in sides[1:]}
     for rep in range(repeats):  # rotated: no side always runs first on a warmed machine
         for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
             if side == "floor":
                 res, _, _ = run([sys.executable, str(Path(__file__).resolve()), "--floor-child", "--input",
-                                 str(input_path), "--floor-order", str(rep % 2)], str(ROOT), None, "floor run")
-                ids = res.pop("ids")
-                speed["ids"].append(ids["tokens"] / ids["seconds"])
-                per_cpu["ids"].append(ids["tokens"] / ids["cpu"])
-                print(f"  run {rep} ids-only floor: {ids['seconds']:.2f} s, {ids['cpu']:.2f} CPU s", flush=True)
+                                 str(input_path)], str(ROOT), None, "floor run")
             else:
                 res = whole_process(input_path, tmp / f"{side}-{rep}", 2, ROOT if side == "whole" else before)
                 digests[side].add(res["digest"])
@@ -190,9 +173,6 @@ def floor_ratio(input_path: Path, tmp: Path, repeats: int, before: Path | None =
     f, w = median(speed["floor"]), median(speed["whole"])
     print(f"floor  encode_batch on the rendered conversations: {f:,.0f} tokens/s (median of {repeats}: "
           f"{', '.join(f'{x:,.0f}' for x in speed['floor'])})")
-    i = median(speed["ids"])
-    print(f"ids-only floor, encode_batch_fast with astrai's BPE cache: {i:,.0f} tokens/s (median of {repeats}: "
-          f"{', '.join(f'{x:,.0f}' for x in speed['ids'])}); {i / f:.2f}x the floor")
     print(f"astrai preprocess --workers 2, bfd 4096, whole process: {w:,.0f} tokens/s (median of {repeats}: "
           f"{', '.join(f'{x:,.0f}' for x in speed['whole'])})")
     if before:
@@ -201,14 +181,13 @@ def floor_ratio(input_path: Path, tmp: Path, repeats: int, before: Path | None =
               f"{', '.join(f'{x:,.0f}' for x in speed['before'])}); floor ratio {b / f:.2f}; this tree / it: "
               f"{w / b:.2f}x")
     c = {side: median(v) for side, v in per_cpu.items()}
-    print(f"tokens per CPU second (medians): floor {c['floor']:,.0f}, ids-only floor {c['ids']:,.0f}, whole "
-          f"{c['whole']:,.0f} (ratio {c['whole'] / c['floor']:.2f}; to the ids-only floor {c['whole'] / c['ids']:.2f})"
-          + (f", before {c['before']:,.0f} (ratio {c['before'] / c['floor']:.2f})" if before else ""))
+    print(f"tokens per CPU second (medians): floor {c['floor']:,.0f}, whole {c['whole']:,.0f} (ratio "
+          f"{c['whole'] / c['floor']:.2f})" + (f", before {c['before']:,.0f} (ratio {c['before'] / c['floor']:.2f})"
+                                              if before else ""))
     same = len(set().union(*digests.values())) == 1
     print(f"  sha256(data/*.parquet + stats.json) of every whole run{' (both trees)' if before else ''}: "
           f"{', '.join(sorted(d[:16] for d in set().union(*digests.values())))} "
           f"{'identical' if same else 'DIFFER'}")
-    print(f"floor ratio to the ids-only floor (for the record): {w / i:.2f}")
     print(f"floor ratio: {w / f:.2f} (target >= {FLOOR_TARGET}) {'PASS' if w / f >= FLOOR_TARGET else 'FAIL'}")
     return w / f if same else 0.0
 
@@ -238,7 +217,6 @@ def main():
     ap.add_argument("--before", type=Path, help="an older astrai source tree (e.g. from git archive) whose whole "
                                                 "process is timed in the same rotation as the floor ratio's")
     ap.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--floor-order", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (printed)")
     # child mode (internal)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

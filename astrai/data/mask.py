@@ -87,22 +87,10 @@ class TokenSpans:
 
     @classmethod
     def from_offsets(cls, offsets: np.ndarray, text_len: int) -> "TokenSpans":
-        return cls.from_arrays(offsets[:, 0], offsets[:, 1], text_len)
-
-    @classmethod
-    def from_arrays(cls, starts: np.ndarray, ends: np.ndarray, text_len: int, edges=()) -> "TokenSpans":
-        """From each token's character start and end (astrai.data.offsets computes them from ids).
-        `edges`: the characters that will be queried (region and text edges), searched for at once."""
         self = cls.__new__(cls)
-        self.enc, self.n, self.text_len = None, len(starts), text_len
-        self._arrays = (starts, ends)
-        self._ends_at(lambda k: (starts[k], ends[k]))
-        if len(edges) and self.hi > self.lo:
-            c = np.array(sorted(set(edges)), dtype=np.int64)
-            after = np.searchsorted(ends[self.lo:self.hi], c, side="right") + self.lo  # first token ending after c
-            at = np.searchsorted(starts[self.lo:self.hi], c, side="left") + self.lo  # first starting at or after c
-            holds = np.where(after < self.hi, starts[np.minimum(after, self.hi - 1)] <= c, False)
-            self._found = dict(zip(c.tolist(), zip(at.tolist(), after.tolist(), np.where(holds, after, -1).tolist())))
+        self.enc, self.n, self.text_len = None, len(offsets), text_len
+        self._arrays = (offsets[:, 0], offsets[:, 1])
+        self._ends_at(lambda k: tuple(offsets[k]))
         return self
 
     def _ends_at(self, chars):
@@ -115,16 +103,6 @@ class TokenSpans:
             self.lo += 1
         while self.hi > self.lo and empty(self.hi - 1):
             self.hi -= 1
-
-    @classmethod
-    def for_chat(cls, chat: RenderedChat, starts: np.ndarray, ends: np.ndarray) -> "TokenSpans":
-        """from_arrays for chat.text, searching at once for the characters that label_tokens and
-        message_of_tokens ask about (one numpy search per query costs more than the labelling)."""
-        edges = [c for r in chat.regions for c in (r.start, r.end)] + [c for s, e, _ in chat.text_spans for c in (s, e)]
-        return cls.from_arrays(starts, ends, len(chat.text), edges)
-
-    # character -> (_search(0, c, "left"), _search(1, c, "right"), _containing(c) or -1), searched ahead
-    _found: dict = {}
 
     def arrays(self):
         if self._arrays is None:
@@ -142,16 +120,10 @@ class TokenSpans:
 
     def _search(self, which: int, c: int, side: str) -> int:
         """np.searchsorted over the starts (0) or ends (1) of tokens [lo, hi), as a token index."""
-        found = self._found.get(c)
-        if found is not None and (which, side) in ((0, "left"), (1, "right")):
-            return found[which]
         return self.lo + int(np.searchsorted(self.arrays()[which][self.lo:self.hi], c, side=side))
 
     def _containing(self, c: int) -> Optional[int]:
         """Index of the first token whose span holds character c (None: no such token known)."""
-        found = self._found.get(c)
-        if found is not None:
-            return found[2] if found[2] >= 0 else None
         if self._arrays is None and self.enc is not None:
             t = self.enc.char_to_token(c)
             if t is not None:

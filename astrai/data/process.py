@@ -3,8 +3,7 @@
 One `Processor` per (pipeline, tokenizer). `process_batch` takes a batch of records and returns,
 per record, a `RecordOutput` (kept: one or more `TokenSeq` per source), a `Filtered` (dropped with a
 reason) or a `RecordError` (bad input).
-Texts of the whole batch are tokenized together (the Rust tokenizer's threads), without offsets
-wherever character spans are not needed or follow from the ids (astrai.data.offsets).
+Texts of the whole batch are tokenized together with `encode_batch` (the Rust tokenizer's threads).
 
 Sections (single output) or sources (one token sequence per named source) are built the same way:
 - template sections render the field's messages (a list of fields is concatenated, e.g.
@@ -27,9 +26,8 @@ from astrai.errors import RecordError
 from astrai.data.mask import (
     RenderedChat, TokenSpans, label_tokens, message_of_tokens, prompt_probe, render_with_regions,
 )
-from astrai.data.offsets import ByteSpans
 from astrai.text.template import ChatTemplate, resolve_template
-from astrai.text.tokenizer import Tokenizer, widen_bpe_cache, with_added_tokens
+from astrai.text.tokenizer import Tokenizer, with_added_tokens
 from astrai.data.turns import answer_sources, empty_messages, end_answer, end_of_turn_id
 from astrai.data.messages import read_messages, section_fields
 from astrai.data.values import check_unicode, check_value, type_name
@@ -90,10 +88,6 @@ class _Part:
     chat: Optional[RenderedChat] = None
     roles: list[str] = field(default_factory=list)
 
-    @property
-    def key(self) -> tuple[bool, bool]:  # texts encoded together: add_special_tokens, spans needed
-        return self.add_special, self.chat is not None
-
 
 class Processor:
     def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer, base_dir=None, template: Optional[ChatTemplate] = None):
@@ -103,8 +97,6 @@ class Processor:
         if self.template is None and pipeline.chat_template is not None:
             self.template = resolve_template(pipeline.chat_template, self.tok, base_dir)
         self.special = dict(self.tok.special_tokens_map)
-        self.byte_spans = ByteSpans.of(self.tok.tok)  # None: chat texts are encoded with offsets
-        widen_bpe_cache(self.tok.tok)
         self.kwargs = dict(pipeline.input.template_kwargs)
         self.gen_prompt, self.answer_lead, after_answer = (
             prompt_probe(self.template, self.special, self.kwargs) if self.template else ("", "", ""))
@@ -113,8 +105,10 @@ class Processor:
         # the pipeline sets mask_default: then that rule covers every other role.
         self.any_role = pipeline.mask_default is not None
         self.roles_allowed = list(pipeline.mask)  # in the pipeline's order, for messages
-        self.sources = ({"": (pipeline.input.sections, None)} if pipeline.input.sections is not None else
-                        {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()})
+        if pipeline.input.sections is not None:
+            self.sources = {"": (pipeline.input.sections, None)}
+        else:
+            self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
         self.list_sources = {name for name, (_, list_field) in self.sources.items() if list_field is not None}
         self.prompt_groups = _shared_prompt_groups(self.sources)
         # plain-text answers to a chat prompt (GRPO completions) end with the end-of-turn token (turns.py)
@@ -159,9 +153,9 @@ class Processor:
             if pending is not None:
                 yield pending[0], self._assemble_batch(pending[1], pending[2].result())
 
-    def _prepare_batch(self, records: list[dict]) -> tuple[list, dict[tuple, list[str]]]:
+    def _prepare_batch(self, records: list[dict]) -> tuple[list, dict[bool, list[str]]]:
         prepared: list[Union[tuple, Filtered, RecordError]] = []
-        texts: dict[tuple, list[str]] = {}
+        texts: dict[bool, list[str]] = {True: [], False: []}
         for rec in records:
             try:
                 prepared.append(self._prepare(rec))
@@ -174,16 +168,13 @@ class Processor:
                 continue
             if isinstance(prepared[-1], Filtered):
                 continue
-            for part in _parts_of(prepared[-1][0]):  # texts by _Part.key, in order
-                texts.setdefault(part.key, []).append(part.text)
+            for part in _parts_of(prepared[-1][0]):
+                texts[part.add_special].append(part.text)
         return prepared, texts
 
-    def _with_offsets(self, add_special: bool, chat: bool) -> bool:  # chat texts need character spans
-        return chat and (self.byte_spans is None or not self.byte_spans.usable(add_special))
-
-    def _encode(self, texts: dict[tuple, list[str]]) -> dict:
-        encode = {True: self.tok.tok.encode_batch, False: self.tok.tok.encode_batch_fast}
-        return {key: iter(encode[self._with_offsets(*key)](t, add_special_tokens=key[0])) for key, t in texts.items()}
+    def _encode(self, texts: dict[bool, list[str]]) -> dict:
+        return {flag: iter(self.tok.tok.encode_batch(t, add_special_tokens=flag)) if t else iter(())
+                for flag, t in texts.items()}
 
     def _assemble_batch(self, prepared: list, encoded: dict) -> list[Result]:
         out: list[Result] = []
@@ -192,7 +183,7 @@ class Processor:
                 out.append(prep)
                 continue
             # every prepared record takes its encodings in order, even if it fails below
-            encs = [next(encoded[part.key]) for part in _parts_of(prep[0])]
+            encs = [next(encoded[part.add_special]) for part in _parts_of(prep[0])]
             try:
                 out.append(self._assemble(prep, iter(encs)))
             except RecordError as e:
@@ -324,7 +315,7 @@ class Processor:
             enc = next(encs)
             ids = np.asarray(enc.ids, dtype=np.int32)
             if part.chat is not None:
-                spans = self._spans(enc, ids, part)
+                spans = TokenSpans(enc, len(part.text))
                 if part.train:
                     labels = label_tokens(part.chat, ids, spans, self.tok.special_ids,
                                           self.p.preprocessing.end_of_turn)
@@ -343,12 +334,6 @@ class Processor:
         labels = np.concatenate(lab_l) if lab_l else np.zeros(0, np.int32)
         tmsg = np.concatenate(msg_l) if msg_l else np.zeros(0, np.int32)
         return TokenSeq(ids, labels if self.has_labels else None, tmsg, roles)
-
-    def _spans(self, enc, ids: np.ndarray, part: _Part) -> TokenSpans:
-        got = None if self._with_offsets(*part.key) else self.byte_spans.spans(ids, part.text)
-        if got is None and not self._with_offsets(*part.key):  # ids that do not spell the text: with offsets
-            enc = self.tok.tok.encode(part.text, add_special_tokens=part.add_special)
-        return TokenSpans(enc, len(part.text)) if got is None else TokenSpans.for_chat(part.chat, *got)
 
     def _truncate(self, seq: TokenSeq) -> TokenSeq:
         limit = self.p.preprocessing.max_seq_len

@@ -197,20 +197,6 @@ def content_digest(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
 
-BPE_CACHE_WORDS = 100_000
-
-
-def widen_bpe_cache(tok, words: int = BPE_CACHE_WORDS) -> None:
-    """Let a BPE model remember the merges of `words` distinct words instead of its default 10,000.
-    The cache only skips recomputing a word's merges (ids are the same); it fills with the first
-    words seen and keeps them. 4,000 ShareGPT chats hold 110k distinct words: encoding 1,000 of them
-    took 6% fewer instructions (callgrind), for about 15 MB. A tokenizers version without the
-    method, or another model, is left as it is."""
-    resize = getattr(getattr(tok, "model", None), "_resize_cache", None)
-    if type(tok.model).__name__ == "BPE" and callable(resize):
-        resize(words)
-
-
 def with_added_tokens(tokenizer: Tokenizer, tokens: list[str]) -> Tokenizer:
     """A copy with `tokens` added as special tokens where missing (as tokenizer.add_special_tokens does)."""
     missing = [t for t in tokens if tokenizer.tok.token_to_id(t) is None]

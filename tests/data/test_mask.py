@@ -919,11 +919,6 @@ class CountingTokenizer:
         self.texts += len(texts)
         return self.inner.encode_batch(texts, **kw)
 
-    def encode_batch_fast(self, texts, **kw):  # ids only (spans from the ids: astrai.data.offsets)
-        self.batches += 1
-        self.texts += len(texts)
-        return self.inner.encode_batch_fast(texts, **kw)
-
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
