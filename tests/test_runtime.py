@@ -60,3 +60,31 @@ def test_atomic_files_and_markers(tmp_path):
     assert not is_done(marker)
     mark_done(marker, {"read": 3, "kept": 2})
     assert is_done(marker) and read_marker(marker) == {"kept": 2, "read": 3}
+
+
+def test_fewer_collections_restores_the_collector():
+    import gc
+
+    from astrai.runtime import fewer_collections
+
+    before = gc.get_threshold()
+    assert gc.get_freeze_count() == 0
+    kept = [[i] for i in range(1000)]  # alive before: frozen out of collections meanwhile
+    with fewer_collections(first=12_345):
+        assert gc.get_threshold() == (max(before[0], 12_345), *before[1:])
+        assert gc.get_freeze_count() >= len(kept)
+        garbage = []
+        garbage.append(garbage)  # a cycle made inside is still collected
+        del garbage
+        assert gc.collect() >= 1
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    try:  # a collector switched off stays off; what a caller froze stays frozen
+        gc.set_threshold(0)
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        with fewer_collections():
+            assert gc.get_threshold()[0] == 0
+        assert gc.get_threshold()[0] == 0 and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -189,8 +189,11 @@ def content_digest(tokenizer: Tokenizer) -> str:
     equal for two tokenizers exactly when text becomes the same ids and ids mean the same tokens,
     whatever files they were loaded from (a checkpoint's re-saved tokenizer.json still matches the
     data's). The manifest records it; eval compares the checkpoint's against it."""
-    data = json.loads(tokenizer.tok.to_str())
-    canon = json.dumps({k: data.get(k) for k in _CONTENT}, sort_keys=True, separators=(",", ":"))
+    from astrai.runtime import fewer_collections
+
+    with fewer_collections():  # some 400k lists, dicts and sorted items, freed right after
+        data = json.loads(tokenizer.tok.to_str())
+        canon = json.dumps({k: data.get(k) for k in _CONTENT}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
 

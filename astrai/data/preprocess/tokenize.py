@@ -19,7 +19,7 @@ from astrai.data.process import Filtered
 from astrai.data.read import Partition, read_partition
 from astrai.data.stats import Tally
 from astrai.data.write import json_line
-from astrai.runtime import atomic_write_text, mark_done
+from astrai.runtime import atomic_write_text, fewer_collections, mark_done
 
 
 @dataclass(frozen=True)
@@ -39,22 +39,23 @@ def tokenize_partition(worker: Worker, task: PartitionTask):
     rejects = []
     sink = IntermediateSink(job, part) if job.global_pack else ShardSink(job, part, proc)
     try:
-        for batch, results in proc.process_stream(_batches(part, pp.batch_size, job, limit)):
-            tally.c["read"] += len(batch)
-            results = iter(results)
-            for rec, where in batch:
-                res = rec if isinstance(rec, RecordError) else next(results)
-                if isinstance(res, RecordError):
-                    err = res.located(part.file, where)
-                    if pp.on_error == "raise":
-                        raise err
-                    tally.add_rejected(err.reason)
-                    rejects.append({**err.as_json(), **({"record": rec} if isinstance(rec, dict) else {})})
-                elif isinstance(res, Filtered):
-                    tally.add_filtered(res.reason)
-                else:
-                    tally.add_kept(res)
-                    sink.add(res)
+        with fewer_collections():  # its containers die young, in no cycle
+            for batch, results in proc.process_stream(_batches(part, pp.batch_size, job, limit)):
+                tally.c["read"] += len(batch)
+                results = iter(results)
+                for rec, where in batch:
+                    res = rec if isinstance(rec, RecordError) else next(results)
+                    if isinstance(res, RecordError):
+                        err = res.located(part.file, where)
+                        if pp.on_error == "raise":
+                            raise err
+                        tally.add_rejected(err.reason)
+                        rejects.append({**err.as_json(), **({"record": rec} if isinstance(rec, dict) else {})})
+                    elif isinstance(res, Filtered):
+                        tally.add_filtered(res.reason)
+                    else:
+                        tally.add_kept(res)
+                        sink.add(res)
         extra = sink.finish()
     except BaseException:
         sink.abort()
