@@ -34,6 +34,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
@@ -297,6 +298,11 @@ class output_lock:
 # garbage collection
 
 
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_saved: tuple = ()
+
+
 @contextmanager
 def fewer_collections(first: int = 50_000):
     """Python's cyclic garbage collector runs every 700 net container allocations by default, the
@@ -305,18 +311,31 @@ def fewer_collections(first: int = 50_000):
     parsing a 129k-entry tokenizer.json) ran it 726 times over 4,000 chats. Meanwhile the objects
     alive before (modules, the tokenizer's tables) are frozen out of collections and the first
     threshold is raised; both are restored after. A collector switched off stays off, and objects
-    a caller froze stay frozen."""
-    before, freeze = gc.get_threshold(), gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    if before[0]:
-        gc.set_threshold(max(before[0], first), *before[1:])
+    a caller froze stay frozen.
+
+    The collector's settings are process-wide: uses that overlap (nested, or in two threads, as the
+    tokenizer digest taken in a pool's callback thread while the main thread tokenizes) share one
+    setting, made by the first to enter and restored by the last to leave."""
+    global _gc_depth, _gc_saved
+    with _gc_lock:
+        if _gc_depth == 0:
+            before, freeze = gc.get_threshold(), gc.get_freeze_count() == 0
+            _gc_saved = (before, freeze)
+            if freeze:
+                gc.freeze()
+            if before[0]:
+                gc.set_threshold(max(before[0], first), *before[1:])
+        _gc_depth += 1
     try:
         yield
     finally:
-        gc.set_threshold(*before)
-        if freeze:
-            gc.unfreeze()
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0:
+                (before, freeze), _gc_saved = _gc_saved, ()
+                gc.set_threshold(*before)
+                if freeze:
+                    gc.unfreeze()
 
 
 # ---------------------------------------------------------------------------------------------

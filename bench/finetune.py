@@ -50,6 +50,8 @@ from astrai.config.train import TrainOptions  # noqa: E402
 from astrai.data.load import ShardDataset  # noqa: E402
 from astrai.model import load_model  # noqa: E402
 from astrai.model.packaged import packaged_checkpoint  # noqa: E402
+from astrai.schema import IGNORE_INDEX  # noqa: E402
+from astrai.train.lm_loss import shift_targets  # noqa: E402
 
 LR = 1e-4
 
@@ -196,9 +198,6 @@ def step_floor(config, params: int, row: dict, matmul_gflops: float, cache: dict
     parameters x tokens, the LM head only at positions with a target, as astrai computes it) plus
     its attention (attention_seconds x layers). Norms, activations, the loss, the optimizer and
     everything else count as zero, so this is a floor for any trainer on this machine."""
-    from astrai.train.lm_loss import shift_targets
-    from astrai.schema import IGNORE_INDEX
-
     lens = row["seq_lens"].tolist()
     labels = torch.as_tensor(row["labels"])
     cu = torch.tensor([0] + lens).cumsum(0)
@@ -211,17 +210,18 @@ def step_floor(config, params: int, row: dict, matmul_gflops: float, cache: dict
 def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
     base = load_model(ckpt)
     config, params = base.config, base.num_parameters()
-    methods = {"astrai": lambda: AstraiMethod(copy.deepcopy(base), data, work / "a", lora=False),
-               "hf": lambda: HFMethod(ckpt, data, work / "h", lora=False),
-               "astrai-lora": lambda: AstraiMethod(copy.deepcopy(base), data, work / "al", lora=True)}
+    makers = {"astrai": lambda: AstraiMethod(copy.deepcopy(base), data, work / "a", lora=False),
+              "hf": lambda: HFMethod(ckpt, data, work / "h", lora=False),
+              "astrai-lora": lambda: AstraiMethod(copy.deepcopy(base), data, work / "al", lora=True)}
     if args.compile:
-        methods["astrai-compile"] = lambda: AstraiMethod(copy.deepcopy(base), data, work / "ac", lora=False,
-                                                         compile=True)
+        makers["astrai-compile"] = lambda: AstraiMethod(copy.deepcopy(base), data, work / "ac", lora=False,
+                                                        compile=True)
     if args.peer_lora:
-        methods["hf-lora"] = lambda: HFMethod(ckpt, data, work / "hl", lora=True)
-    built = {k: make() for k, make in methods.items()}
-    del base
-    tokens = {i: len(ShardDataset(data)[i]["input_ids"]) for i in rows}
+        makers["hf-lora"] = lambda: HFMethod(ckpt, data, work / "hl", lora=True)
+    built = {k: make() for k, make in makers.items()}
+    base = makers = None  # every copy is made: the base's memory goes back before the timing
+    ds = ShardDataset(data)
+    tokens = {i: len(ds[i]["input_ids"]) for i in rows}
     for m in built.values():  # warm-up (allocator, first-call costs), not counted
         m.step(rows[0])
     secs, seen, rates = {k: 0.0 for k in built}, {k: 0 for k in built}, []
@@ -239,7 +239,7 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
     tps = {k: seen[k] / secs[k] for k in names}
     matmul = statistics.median(rates)
     gflops = 6 * params * tps["astrai"] / 1e9
-    ds, cache = ShardDataset(data), {}
+    cache: dict = {}
     floor = sum(step_floor(config, params, ds[i], max(rates), cache) for i in rows[1:])
     print(f"step floor (matmuls at the best matmul rate of the run + SDPA attention): {floor:.1f} s for the timed "
           f"steps; astrai {secs['astrai']:.1f} s ({secs['astrai'] / floor:.2f}x the floor), transformers "

@@ -88,3 +88,37 @@ def test_fewer_collections_restores_the_collector():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_overlapping_fewer_collections_restore_the_collector_once_all_leave():
+    # two threads' uses interleave (enter A, enter B, leave A, leave B): each restoring what it saw on entry
+    # would leave B's raised threshold behind, and A's unfreeze would thaw objects while B still runs
+    import gc
+    import threading
+
+    from astrai.runtime import fewer_collections
+
+    before = gc.get_threshold()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with fewer_collections(first=23_456):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with fewer_collections(first=34_567):
+            b_in.set()
+            a_out.wait(10)
+            seen["while b runs"] = (gc.get_threshold()[0], gc.get_freeze_count() > 0)
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen["while b runs"] == (max(before[0], 23_456), True)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
