@@ -22,8 +22,7 @@ from its steps).
 - `file_identity`: size/mtime/inode before and after reading, so a changed input is detected.
 - `Progress`: a tqdm bar on a terminal, a plain line every few seconds otherwise.
 - workers exit when their parent dies (they poll getppid), instead of hanging.
-- `fewer_collections`: the cyclic garbage collector mostly held off while a step allocates
-  millions of short-lived containers.
+- `fewer_collections`: the cyclic garbage collector held off while a step makes millions of containers.
 
 NOTE: this module imports nothing from astrai: every layer may use it.
 """
@@ -297,25 +296,17 @@ class output_lock:
 # ---------------------------------------------------------------------------------------------
 # garbage collection
 
-
-_gc_lock = threading.Lock()
-_gc_depth = 0
-_gc_saved: tuple = ()
+_gc_lock, _gc_depth, _gc_saved = threading.Lock(), 0, ()
 
 
 @contextmanager
 def fewer_collections(first: int = 50_000):
-    """Python's cyclic garbage collector runs every 700 net container allocations by default, the
-    older generations walking every object alive. A step that makes millions of containers that die
-    young and in no cycle (preprocess's tokenize pass: parsed records, messages, per-token id lists;
-    parsing a 129k-entry tokenizer.json) ran it 726 times over 4,000 chats. Meanwhile the objects
-    alive before (modules, the tokenizer's tables) are frozen out of collections and the first
-    threshold is raised; both are restored after. A collector switched off stays off, and objects
-    a caller froze stay frozen.
-
-    The collector's settings are process-wide: uses that overlap (nested, or in two threads, as the
-    tokenizer digest taken in a pool's callback thread while the main thread tokenizes) share one
-    setting, made by the first to enter and restored by the last to leave."""
+    """Hold off the cyclic collector (every 700 net container allocations by default, the old
+    generations walking every live object) while a step makes millions of containers that die young
+    in no cycle (tokenizing 4,000 chats ran it 726 times): objects alive before are frozen out and the
+    first threshold raised, both restored after; a disabled collector or a caller's freeze is left
+    alone. The settings are process-wide, so overlapping uses (nested, or another thread) share one:
+    the first to enter sets it, the last to leave restores it."""
     global _gc_depth, _gc_saved
     with _gc_lock:
         if _gc_depth == 0:
