@@ -14,8 +14,8 @@ for a before/after figure on the same load; every whole run's output (both trees
 byte-identical. `--packing ''` measures only the floor ratio. Tokens per CPU second (the floor's
 encode calls, all threads; the whole process with its workers) are printed too: on a machine shared
 with other work the wall-clock ratio is mostly the scheduler's share, the CPU one much less. With
-default partitions (32 MiB) the 24 MiB input is one partition: the parent tokenizes it (encoding in
-a second thread), and the two workers share only the packing pass.
+default partitions (`auto`: 1 MiB for this input) the 24 MiB input makes 24 partitions that the two
+workers tokenize; before `auto` (32 MiB) it was one, which the parent tokenized alone.
 
 `run_preprocess` on a JSONL file written from real ShareGPT (or chitchat) conversations, with the
 pipeline pipelines/chatml_sft.yaml (deepseek tokenizer vocabulary, bundled ChatML template), except

@@ -26,6 +26,8 @@ NESTED_OWN_TABLE = ("sections", "sources")  # lists/maps of models: a table of t
 def type_text(ann) -> str:
     """A readable type: `int`, `int or null`, `train | mask`, `list of str`, `map of str -> str`."""
     origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Annotated:  # PositiveInt and the like: the type, its bounds are in the meaning
+        return type_text(args[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from astrai.config.loading import StrictModel, get_in, load_model, raise_combination_problems
 from astrai.schema import SOURCE_TOKEN_COLUMNS, TOKEN_COLUMNS, ValueType, source_column, value_column
@@ -104,8 +104,9 @@ class Preprocessing(StrictModel):
         0.5, ge=0, le=1, description="fail the run (after writing rejects.jsonl) when more records than this share "
                                      "are rejected, or none is kept"
     )
-    partition_bytes: int = Field(
-        32 << 20, gt=0, description="input bytes per work partition (the unit of parallelism and resume)"
+    partition_bytes: Union[Literal["auto"], PositiveInt] = Field(
+        "auto", description="input bytes per work partition (the unit of parallelism and resume); auto: the "
+                            "inputs' total size / 64, within 1-32 MiB (so a small dataset still feeds every worker)"
     )
 
 
