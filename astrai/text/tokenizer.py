@@ -188,7 +188,26 @@ def content_digest(tokenizer: Tokenizer) -> str:
     """sha256 of the tokenizer's vocabulary, merges, added tokens, normalizer and pre-tokenizer:
     equal for two tokenizers exactly when text becomes the same ids and ids mean the same tokens,
     whatever files they were loaded from (a checkpoint's re-saved tokenizer.json still matches the
-    data's). The manifest records it; eval compares the checkpoint's against it."""
+    data's). The manifest records it; eval compares the checkpoint's against it.
+
+    Taking it costs 1-2 CPU s for a 129k vocabulary (serialise, parse, canonical dump), so it is
+    remembered in the user's cache (astrai.cache) under what fixes it: the tokenizer files' bytes
+    (the fingerprint), the added tokens as loaded, and the tokenizers library's version."""
+    if not tokenizer.fingerprint:  # built in memory: nothing to key it on
+        return _content_digest(tokenizer)
+    import tokenizers
+
+    from astrai.cache import remembered
+
+    added = sorted((i, t.content, t.special, t.lstrip, t.rstrip, t.normalized, t.single_word)
+                   for i, t in tokenizer.tok.get_added_tokens_decoder().items())
+    key = hashlib.sha256(json.dumps(["content digest 1", tokenizer.fingerprint, tokenizers.__version__, added])
+                         .encode("utf-8")).hexdigest()
+    return remembered("tokenizer-content", key, lambda: _content_digest(tokenizer),
+                      lambda text: len(text) == 64 and all(c in "0123456789abcdef" for c in text))
+
+
+def _content_digest(tokenizer: Tokenizer) -> str:
     from astrai.runtime import fewer_collections
 
     with fewer_collections():  # some 400k lists, dicts and sorted items, freed right after
