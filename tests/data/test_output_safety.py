@@ -131,17 +131,20 @@ def test_an_input_truncated_mid_run_fails_and_a_restore_is_not_up_to_date(tmp_pa
     data.write_text(full)
     out = tmp_path / "o"
     pipe = pipeline(partition_bytes=2000)
-    real = pre.tokenize_partition
+    real = pre.tokenize_partitions  # one worker: the partitions run in this process, as one stream
     calls = []
 
-    def truncate_after_first(worker, task):
-        real(worker, task)
-        calls.append(task)
-        if len(calls) == 1:
-            data.write_text(full[: len(full) // 2])  # the writer of the input is not done yet
+    def truncate_after_first(worker, tasks, on_done):
+        def done(task):
+            on_done(task)
+            calls.append(task)
+            if len(calls) == 1:
+                data.write_text(full[: len(full) // 2])  # the writer of the input is not done yet
+
+        real(worker, tasks, on_done=done)
 
     with monkeypatch.context() as m:
-        m.setattr(pre, "tokenize_partition", truncate_after_first)
+        m.setattr(pre, "tokenize_partitions", truncate_after_first)
         with pytest.raises(InputError, match="changed while it was being read"):
             run(pipe, [data], out, tiny_tokenizer)
     assert not (out / "manifest.json").exists()

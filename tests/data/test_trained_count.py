@@ -86,14 +86,16 @@ def test_trained_tokens_exact_after_a_resume(tmp_path, tiny_tokenizer, monkeypat
                            log=lambda s: None)
     calls, armed = [], [True]
     if strategy == "simple":
-        real = run_mod.tokenize_partition
+        real = run_mod.tokenize_partitions  # one worker: the partitions run in this process, as one stream
 
-        def dies(worker, task):
-            calls.append(task.name)
-            if len(calls) == 3 and armed[0]:
-                raise Killed
-            return real(worker, task)
-        monkeypatch.setattr(run_mod, "tokenize_partition", dies)
+        def dies(worker, tasks, on_done):
+            def done(task):  # killed once two partitions are done, the third already read and encoded
+                on_done(task)
+                calls.append(task.name)
+                if len(calls) == 2 and armed[0]:
+                    raise Killed
+            return real(worker, tasks, on_done=done)
+        monkeypatch.setattr(run_mod, "tokenize_partitions", dies)
     else:
         real = pack.write_packed_shard
 

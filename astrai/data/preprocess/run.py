@@ -27,7 +27,7 @@ from astrai.data.preprocess.job import WORK, Job, Worker
 from astrai.data.preflight import check_reject_share, check_template_markers
 from astrai.data.preprocess.pack import pack_globally
 from astrai.data.preprocess.summary import summary_lines
-from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition
+from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition, tokenize_partitions
 from astrai.data.process import Processor
 from astrai.data.read import Partition, expand_inputs, file_fingerprint, plan_partitions
 from astrai.data.shard_check import shard_record, verify_cheap
@@ -133,9 +133,12 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
 
             finished: list = []
 
-            run(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
-                setup=partial(Worker.build, job), context=worker, what="partitions", log=log,
-                **({"on_done": done} if cluster is None else {}))
+            tasks = [PartitionTask(p) for p in todo]
+            if cluster is None and (workers == 1 or len(tasks) == 1):  # in this process, as one stream
+                tokenize_partitions(worker, tasks, on_done=done)
+            else:
+                run(tokenize_partition, tasks, workers=workers, setup=partial(Worker.build, job), context=worker,
+                    what="partitions", log=log, **({"on_done": done} if cluster is None else {}))
             progress.close()
         _check_unchanged(outp, files, identity)
         summaries = [read_marker(job.marker(p.name)) for p in parts]

@@ -1,7 +1,7 @@
 """The tokenize pass: one input partition read, rendered, tokenized, masked, counted and written.
 
 Records go batch by batch through the Processor (process_stream: a batch is encoded while the
-one before it is labelled and the next one rendered); each result is counted (kept / filtered /
+one before it is labelled and the next one rendered; in one process, across partitions too); each result is counted (kept / filtered /
 rejected by reason, into a `Tally`) and kept records go to a sink: straight to the partition's
 shards (unpacked, simple packing, multi-output), or to an intermediate file for global packing.
 The partition's statistics are written last, as its completion marker.
@@ -10,7 +10,7 @@ The partition's statistics are written last, as its completion marker.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from astrai.errors import RecordError
 from astrai.data.preprocess.job import Worker
@@ -33,37 +33,71 @@ class PartitionTask:
 
 
 def tokenize_partition(worker: Worker, task: PartitionTask):
-    job, proc, part, limit = worker.job, worker.processor, task.part, task.limit
+    tokenize_partitions(worker, [task])
+
+
+def tokenize_partitions(worker: Worker, tasks: list[PartitionTask], on_done: Callable = lambda task: None):
+    """Partitions one after another in this process, through one stream: the next partition's first
+    batch is rendered and encoded while the one before it is labelled and finished, so a partition
+    of fewer records than a batch (most, with automatic partition sizes) still overlaps its neighbours.
+    Each partition is finished (shards or intermediate, rejects, then its marker) before on_done(task)."""
+    job, proc = worker.job, worker.processor
     pp = job.pipeline.preprocessing
-    tally = Tally()
-    rejects = []
-    sink = IntermediateSink(job, part) if job.global_pack else ShardSink(job, part, proc)
+
+    def stream():  # ((task index, batch), good records); (i, None) closes partition i
+        for i, task in enumerate(tasks):
+            for batch, good in _batches(task.part, pp.batch_size, job, task.limit):
+                yield (i, batch), good
+            yield (i, None), []
+
+    current: Optional[_Partition] = None
     try:
         with fewer_collections():  # its containers die young, in no cycle
-            for batch, results in proc.process_stream(_batches(part, pp.batch_size, job, limit)):
-                tally.c["read"] += len(batch)
-                results = iter(results)
-                for rec, where in batch:
-                    res = rec if isinstance(rec, RecordError) else next(results)
-                    if isinstance(res, RecordError):
-                        err = res.located(part.file, where)
-                        if pp.on_error == "raise":
-                            raise err
-                        tally.add_rejected(err.reason)
-                        rejects.append({**err.as_json(), **({"record": rec} if isinstance(rec, dict) else {})})
-                    elif isinstance(res, Filtered):
-                        tally.add_filtered(res.reason)
-                    else:
-                        tally.add_kept(res)
-                        sink.add(res)
-        extra = sink.finish()
+            for (i, batch), results in proc.process_stream(stream()):
+                current = current or _Partition(job, proc, tasks[i].part)
+                if batch is not None:
+                    current.take(batch, results)
+                    continue
+                extra = current.sink.finish()
+                done, current = current, None
+                done.close(extra)
+                on_done(tasks[i])
     except BaseException:
-        sink.abort()
+        if current is not None:
+            current.sink.abort()
         raise
-    if rejects:
-        atomic_write_text(job.work / f"{part.name}.rejects.jsonl",
-                          "".join(json_line(r) for r in rejects))
-    mark_done(job.marker(part.name), tally.summary(**extra))
+
+
+class _Partition:
+    """One partition's counts, rejects and sink while its batches go by."""
+
+    def __init__(self, job, proc, part: Partition):
+        self.job, self.part, self.tally, self.rejects = job, part, Tally(), []
+        self.sink = IntermediateSink(job, part) if job.global_pack else ShardSink(job, part, proc)
+
+    def take(self, batch, results):
+        self.tally.c["read"] += len(batch)
+        results = iter(results)
+        for rec, where in batch:
+            res = rec if isinstance(rec, RecordError) else next(results)
+            if isinstance(res, RecordError):
+                err = res.located(self.part.file, where)
+                if self.job.pipeline.preprocessing.on_error == "raise":
+                    raise err
+                self.tally.add_rejected(err.reason)
+                self.rejects.append({**err.as_json(), **({"record": rec} if isinstance(rec, dict) else {})})
+            elif isinstance(res, Filtered):
+                self.tally.add_filtered(res.reason)
+            else:
+                self.tally.add_kept(res)
+                self.sink.add(res)
+
+    def close(self, extra: dict):
+        """After the sink finished: the rejects, then the marker (the partition is done)."""
+        if self.rejects:
+            atomic_write_text(self.job.work / f"{self.part.name}.rejects.jsonl",
+                              "".join(json_line(r) for r in self.rejects))
+        mark_done(self.job.marker(self.part.name), self.tally.summary(**extra))
 
 
 def _batches(part: Partition, batch_size: int, job, limit: Optional[int]):
