@@ -1,9 +1,10 @@
 """The tokenize pass: one input partition read, rendered, tokenized, masked, counted and written.
 
 Records go batch by batch through the Processor (process_stream: a batch is encoded while the
-one before it is labelled and the next one rendered; in one process, across partitions too); each result is counted (kept / filtered /
-rejected by reason, into a `Tally`) and kept records go to a sink: straight to the partition's
-shards (unpacked, simple packing, multi-output), or to an intermediate file for global packing.
+one before it is labelled and the next one rendered; in one process, across partitions too); each
+result is counted (kept / filtered / rejected by reason, into a `Tally`) and kept records go to a
+sink: straight to the partition's shards (unpacked, simple packing, multi-output), or to an
+intermediate file for global packing.
 The partition's statistics are written last, as its completion marker.
 """
 
