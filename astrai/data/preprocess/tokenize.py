@@ -39,30 +39,43 @@ def tokenize_partition(worker: Worker, task: PartitionTask):
 
 def tokenize_partitions(worker: Worker, tasks: list[PartitionTask], on_done: Callable = lambda task: None):
     """Partitions one after another in this process, through one stream: the next partition's first
-    batch is rendered and encoded while the one before it is labelled and finished, so a partition
-    of fewer records than a batch (most, with automatic partition sizes) still overlaps its neighbours.
-    Each partition is finished (shards or intermediate, rejects, then its marker) before on_done(task)."""
+    batch is rendered and encoded while the one before it is labelled and finished, and batches of
+    small partitions are encoded together up to `batch_size` records (automatic partitions are
+    mostly smaller than a batch: one encode call each would leave the tokenizer's threads waiting
+    on each call's longest text). Each partition is finished (shards or intermediate, rejects, then
+    its marker) before on_done(task)."""
     job, proc = worker.job, worker.processor
     pp = job.pipeline.preprocessing
 
-    def stream():  # ((task index, batch), good records); (i, None) closes partition i
+    def stream():  # (segments, their good records); a segment: (task index, batch or None to close it, good count)
+        segments, good_records, n = [], [], 0
         for i, task in enumerate(tasks):
             for batch, good in _batches(task.part, pp.batch_size, job, task.limit):
-                yield (i, batch), good
-            yield (i, None), []
+                segments.append((i, batch, len(good)))
+                good_records += good
+                n += len(batch)
+                if n >= pp.batch_size:
+                    yield segments, good_records
+                    segments, good_records, n = [], [], 0
+            segments.append((i, None, 0))
+        if segments:
+            yield segments, good_records
 
     current: Optional[_Partition] = None
     try:
         with fewer_collections():  # its containers die young, in no cycle
-            for (i, batch), results in proc.process_stream(stream()):
-                current = current or _Partition(job, proc, tasks[i].part)
-                if batch is not None:
-                    current.take(batch, results)
-                    continue
-                extra = current.sink.finish()
-                done, current = current, None
-                done.close(extra)
-                on_done(tasks[i])
+            for segments, results in proc.process_stream(stream()):
+                at = 0
+                for i, batch, k in segments:
+                    current = current or _Partition(job, proc, tasks[i].part)
+                    if batch is not None:
+                        current.take(batch, results[at:at + k])
+                        at += k
+                        continue
+                    extra = current.sink.finish()
+                    done, current = current, None
+                    done.close(extra)
+                    on_done(tasks[i])
     except BaseException:
         if current is not None:
             current.sink.abort()
