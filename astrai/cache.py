@@ -6,7 +6,7 @@ tokenizer's content digest): a missing, unreadable or unwritable cache costs tim
 is read when it is there and `valid`, else made and written atomically (a reader sees no half
 entry); keys are digests of everything the value depends on.
 
-NOTE: this module imports only astrai.runtime: every layer may use it.
+NOTE: this module imports only astrai.runtime and astrai.errors: every layer may use it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from astrai.errors import InputError
 from astrai.runtime import atomic_write_text
 
 
@@ -22,12 +23,20 @@ def cache_root() -> Path:
     if os.environ.get("ASTRAI_CACHE"):
         return Path(os.environ["ASTRAI_CACHE"])
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "astrai"
+    if xdg:
+        return Path(xdg) / "astrai"
+    try:
+        return Path.home() / ".cache" / "astrai"
+    except RuntimeError:  # no $HOME and no password entry to find one (some containers)
+        raise InputError("no home directory for astrai's cache: set ASTRAI_CACHE=DIR (or XDG_CACHE_HOME)") from None
 
 
 def remembered(kind: str, key: str, make: Callable[[], str], valid: Callable[[str], bool]) -> str:
     """The cached text of `kind/key` when present and valid, else make() (then cached, if the cache is writable)."""
-    path = cache_root() / kind / key
+    try:
+        path = cache_root() / kind / key
+    except InputError:  # nowhere to keep it: made every time
+        return make()
     try:
         text = path.read_text(encoding="utf-8")
         if valid(text):

@@ -124,17 +124,20 @@ def _call(fn: Callable[[Any, Any], Any], task: Any):
 
 def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, setup: Callable[[], Any],
               context: Any = None, what: str = "tasks", log: Callable[[str], None] = print,
-              on_done: Optional[Callable[[Any], None]] = None) -> None:
+              on_done: Optional[Callable[[Any], None]] = None, in_process: Optional[Callable] = None) -> None:
     """Run `fn(context, task)` for every task; in this process when workers == 1 or there is one
     task, else on `workers` processes. `setup()` builds the context (picklable: a module-level
     function or a functools.partial of one); `context`, when given, is that context already built
     here. Results are not returned: tasks write their own outputs and markers. `on_done(task)` is
-    called here, in this process, as each task finishes (progress)."""
+    called here, in this process, as each task finishes (progress); `in_process(context, tasks,
+    on_done)`, if given, runs them when they run here (a stage that streams them), instead of fn."""
     if not tasks:
         return
     on_done = on_done or (lambda task: None)
     if workers == 1 or len(tasks) == 1:
         ctx = context if context is not None else setup()
+        if in_process is not None:
+            return in_process(ctx, tasks, on_done)
         for t in tasks:
             fn(ctx, t)
             on_done(t)
@@ -168,7 +171,6 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     log(f"{len(tasks)} {what} done with {workers} workers")
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The module graph: small files, and no import that runs back up the layers.
 
-Layers, bottom up: schema, errors, runtime, runtime_ray (import nothing from astrai), cache (runtime only) -> config (loading,
+Layers, bottom up: schema, errors, runtime, runtime_ray (import nothing from astrai), cache (runtime, errors) -> config (loading,
 pipeline, stages, recipe) -> text (tokenizer, chat template, prompts: shared by data, train and infer)
 -> data -> [model, train, infer] -> serve (the HTTP server and terminal chat, on infer) -> recipe
 (chaining stages) -> cli. data may read the pipeline model
@@ -25,8 +25,8 @@ FORBIDDEN = {  # module prefix -> modules it must not import
     "astrai.text": ("astrai.data", "astrai.cli", "astrai.config.recipe", "astrai.train", "astrai.infer", "astrai.model",
                     "astrai.recipe"),
     "astrai.runtime": ("astrai.",),
-    "astrai.cache": tuple(f"astrai.{m}" for m in ("schema", "errors", "config", "text", "data", "model", "train",
-                                                  "infer", "serve", "rl", "recipe", "cli")),  # runtime only
+    "astrai.cache": tuple(f"astrai.{m}" for m in ("schema", "config", "text", "data", "model", "train",
+                                                  "infer", "serve", "rl", "recipe", "cli")),  # runtime, errors
     "astrai.runtime_ray": ("astrai.",),
     "astrai.config": ("astrai.data", "astrai.cli", "astrai.train", "astrai.infer", "astrai.model", "astrai.recipe"),
     "astrai.data": ("astrai.cli", "astrai.config.recipe", "astrai.train", "astrai.infer", "astrai.recipe"),

