@@ -81,10 +81,13 @@ def test_fewer_collections_restores_the_collector():
     try:  # a collector switched off stays off; what a caller froze stays frozen
         gc.set_threshold(0)
         gc.freeze()
-        frozen = gc.get_freeze_count()
+        # the frozen count itself drifts down as frozen objects die (other threads, finalizers), so
+        # what is checked is that one object the caller froze is still out of the collector's reach
+        assert not any(o is kept for o in gc.get_objects())
         with fewer_collections():
             assert gc.get_threshold()[0] == 0
-        assert gc.get_threshold()[0] == 0 and gc.get_freeze_count() == frozen
+        assert gc.get_threshold()[0] == 0 and gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects())
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
