@@ -7,7 +7,8 @@
   and their margin, on training batches and on held-out pairs; "DPO reward accuracy": the share
   of pairs whose chosen answer has the higher reward (0.5 is chance);
 - "GRPO reward": the data's mean reward per step and the policy-weighted reward of the candidates
-  (astrai.model.scores), on training batches and held-out groups; "GRPO choice accuracy".
+  (astrai.model.scores), on training batches and held-out groups, and the held-out mean (online:
+  of completions sampled from the current weights); "GRPO choice accuracy".
 A panel appears when its metrics were logged. A step logged twice (a resumed run repeats the steps
 after its last checkpoint) keeps its latest value.
 
@@ -30,7 +31,7 @@ PANELS = {
                                          ("reward_margin", "margin"), ("val_reward_margin", "val margin")]),
     "DPO reward accuracy": ("share of pairs", [("reward_accuracy", "train"), ("val_reward_accuracy", "val")]),
     "GRPO reward": ("reward", [("reward_mean", "data mean"), ("policy_reward", "policy-weighted"),
-                               ("val_policy_reward", "val policy-weighted")]),
+                               ("val_policy_reward", "val policy-weighted"), ("val_reward_mean", "val mean")]),
     "GRPO choice accuracy": ("share of groups", [("policy_accuracy", "train"), ("val_policy_accuracy", "val")]),
 }
 

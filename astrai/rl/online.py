@@ -19,6 +19,12 @@ Then the trainer's GRPO objective runs as offline: old-policy log-probs from the
 sampled (the same weights, recomputed by the trainer's forward), the reference KL, `updates`
 optimizer steps. A resumed run first drops completions.jsonl lines of steps after its checkpoint;
 rollouts are seeded by (seed, step), so it draws the same completions and rewards again.
+With validation data (val_data, or a recipe's holdout) `held_out_figures` samples G completions
+per held-out prompt from the current weights, seeded alike at every evaluation (so two evaluations
+differ by the weights alone), scores them as training does and reports val_reward_mean,
+val_reward_std, val_reward_<function>, val_completion_length, val_truncated_share, ... (no
+val_loss: on fresh samples the GRPO objective is the KL term alone); the completions go to
+OUTPUT/val_completions.jsonl.
 Online GRPO runs in one process (no torchrun).
 """
 
@@ -43,6 +49,8 @@ from astrai.train.grpo_loss import group_advantages
 from astrai.train.strategies import GRPOStrategy
 
 COMPLETIONS = "completions.jsonl"
+VAL_COMPLETIONS = "val_completions.jsonl"
+VAL_STEP = 1 << 30  # the seed stream of held-out rollouts (training steps never reach it)
 
 
 class OnlineGRPO(GRPOStrategy):
@@ -55,6 +63,7 @@ class OnlineGRPO(GRPOStrategy):
         self.dataset, self.tokenizer = data.dataset, data.tokenizer
         self.scorer = Scorer(([options.reward] if options.reward else []) + list(options.rewards), ro.max_tokens)
         self.log = Path(options.output) / COMPLETIONS
+        self.val_log = Path(options.output) / VAL_COMPLETIONS
         self.rollout = None
         self._drawn_at = None
         self._metrics: dict = {}
@@ -74,14 +83,19 @@ class OnlineGRPO(GRPOStrategy):
         m["peak_memory_mb"] = peak_memory_mb(self.device)
         return m
 
-    def draw(self, model, window: list[list[int]], step: int) -> list[dict]:
+    def _ready(self, model, step: int):
+        """The engine's copy of the current weights; a resumed run first forgets later steps' logs."""
         if not self._trimmed:
             trim_log(self.log, step)
+            trim_log(self.val_log, step)
             self._trimmed = True
         if self.rollout is None:
             self.rollout = Rollout(model, self.tokenizer, self.ro, self.seed, self.device)
         else:
             self.rollout.sync(model)
+
+    def draw(self, model, window: list[list[int]], step: int) -> list[dict]:
+        self._ready(model, step)
         rows = [i for idx in window for i in idx]
         prompts = [self.dataset[i]["input_ids"].tolist() for i in rows]
         was_training = model.training
@@ -127,9 +141,24 @@ class OnlineGRPO(GRPOStrategy):
         return {"group": (prompt_ids, [c["token_ids"] for c in group], labels, adv, rewards), "records": records,
                 "zero_variance": zero_var}
 
-    def _write(self, scored: list[dict]):
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "a", encoding="utf-8") as fh:
+    def held_out_figures(self, model, val_dataset, step: int) -> dict:
+        """Rewards of G completions per held-out prompt, sampled from the current weights in pieces
+        of the engine's running slots (each prompt seeded by its number in the set)."""
+        self._ready(model, step)
+        piece = max(1, self.ro.max_running // self.ro.group_size)
+        scored = []
+        for first in range(0, len(val_dataset), piece):
+            rows = range(first, min(first + piece, len(val_dataset)))
+            prompts = [val_dataset[i]["input_ids"].tolist() for i in rows]
+            groups, _ = self.rollout.generate(prompts, VAL_STEP, first=first)
+            scored += [self._score(step, prompts[k], val_dataset.values(i), groups[k]) for k, i in enumerate(rows)]
+        self._write(scored, self.val_log)
+        return {f"val_{k}": v for k, v in summary(scored, self.scorer.keys).items()}
+
+    def _write(self, scored: list[dict], path: Path = None):
+        path = path or self.log
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as fh:
             for s in scored:
                 for r in s["records"]:
                     fh.write(json.dumps(r, ensure_ascii=False) + "\n")

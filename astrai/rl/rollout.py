@@ -43,7 +43,10 @@ class Rollout:
         self.options, self.tokenizer, self.seed = options, tokenizer, seed
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if has_adapters(model):
-            self.policy = CausalLM(model.config).to(self.device)
+            # initialised weights are overwritten by sync: not drawn from the trainer's generator, so
+            # where the copy is made (a first evaluation, or the first step) changes no training draw
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self.policy = CausalLM(model.config).to(self.device)
         else:
             self.policy = copy.deepcopy(model)
         self.policy.requires_grad_(False).eval()
@@ -72,7 +75,9 @@ class Rollout:
                              max_step_tokens=max(2048, longest, o.max_running), prefix_cache=True,
                              device=str(self.device), dtype="auto", cuda_graphs=False)
 
-    def generate(self, prompts: list[list[int]], step: int) -> tuple[list[list[dict]], dict]:
+    def generate(self, prompts: list[list[int]], step: int, first: int = 0) -> tuple[list[list[dict]], dict]:
+        """`first`: the number of the first prompt in its set (a set generated in pieces draws what
+        it would in one call)."""
         o = self.options
         t0 = time.perf_counter()
         engine = Engine(self.policy, self.tokenizer, self.engine_options(prompts), self.eos_ids)
@@ -81,7 +86,7 @@ class Rollout:
         for i, ids in enumerate(prompts):
             for g in range(o.group_size):
                 sp = SamplingParams(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                                    seed=completion_seed(self.seed, step, i, g))
+                                    seed=completion_seed(self.seed, step, first + i, g))
                 reqs.append(engine.add_request(list(ids), sp, end_of_turn=True))
         while engine.has_work():
             engine.step()

@@ -177,6 +177,6 @@ def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dic
             "steps": state.global_step, "loss": f.get("loss"), "val_loss": f.get("val_loss"),
             "stopped": state.stopped, "skipped_nonfinite": state.skipped_nonfinite,
             "seconds": time.perf_counter() - began, "figures": f, "plot": plot,
-            "val_data": options.val_data, "strategy": options.strategy,
+            "val_data": options.val_data, "strategy": options.strategy, "online": options.rollout is not None,
             "ref_model": options.ref_model or (options.model if options.model not in PRESETS else None),
             "tensorboard": str(out / "runs") if "tensorboard" in options.reporters else None}

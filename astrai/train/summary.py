@@ -18,6 +18,9 @@ from pathlib import Path
 SHOWN = (("val_loss", "val loss"), ("val_reward_accuracy", "held-out reward accuracy"),
          ("val_reward_margin", "held-out reward margin"), ("val_policy_reward", "held-out policy-weighted reward"),
          ("val_policy_accuracy", "held-out choice accuracy"))
+# online GRPO's held-out figures are of completions sampled from the current weights (astrai.rl.online)
+ONLINE_SHOWN = (("val_reward_mean", "held-out mean reward"), ("val_truncated_share", "held-out share cut at max_tokens"),
+                ("val_completion_length", "held-out completion tokens"))
 
 
 def read_records(path) -> list[dict]:
@@ -56,7 +59,7 @@ def lines(result: dict) -> list[str]:
     if "loss" in f:
         head += f": loss {_fmt(f['loss_start'])} -> {_fmt(f['loss'])}"
     out = [head]
-    for key, label in SHOWN:
+    for key, label in ONLINE_SHOWN if result.get("online") else SHOWN:
         if key in f:
             out.append(f"  {label} {_fmt(f[key + '_start'])} -> {_fmt(f[key])}")
     if result.get("stopped"):
@@ -68,7 +71,7 @@ def lines(result: dict) -> list[str]:
     if result.get("tensorboard"):
         out.append(f"  tensorboard --logdir {result['tensorboard']}")
     out.append(f"next: astrai generate {result['final']} --prompt 'Hello' --max-tokens 32   (or --chat FILE.jsonl)")
-    if result.get("val_data"):
+    if result.get("val_data") and not result.get("online"):  # a prompt set has no answers to score by eval
         ref = ""
         if result.get("strategy") == "dpo":  # the reward figures compare with the model DPO started from
             ref = f" --ref-model {result['ref_model']}" if result.get("ref_model") else " --ref-model REFERENCE"

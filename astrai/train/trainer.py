@@ -324,7 +324,7 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        return self.evaluate()["val_loss"]
+        return self.evaluate().get("val_loss", float("nan"))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -332,6 +332,9 @@ class Trainer:
         (for DPO the held-out reward accuracy and margin); every rank calls it (it sums across ranks)."""
         if self.val_dataset is None:
             return {"val_loss": float("nan")}
+        held_out = getattr(self.strategy, "held_out_figures", None)
+        if held_out is not None:  # a strategy that samples its own (online GRPO: held-out rewards)
+            return held_out(self.raw_model, self.val_dataset, self.state.global_step)
         self.raw_model.eval()
         d, bs = self.dist, self.opts.batch_size
         mine = list(range(d.rank, len(self.val_dataset), d.world))

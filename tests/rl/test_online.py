@@ -127,7 +127,7 @@ def test_temperature_zero_rollouts_equal_astrai_generate(setup, tmp_path):
     assert [g[0]["text"] for g in groups] == expected
 
 
-def train(root, ckpt, out, max_steps, kill_at=None):
+def train(root, ckpt, out, max_steps, kill_at=None, extra="", rollout=""):
     code = f"""
 import sys
 from astrai.config.train import TrainOptions
@@ -137,9 +137,11 @@ from train_script import KillAt
 opts = TrainOptions(data={str(root / 'data')!r}, model={str(ckpt)!r}, output={str(out)!r}, strategy="grpo",
                     max_steps={max_steps}, lr=0.05, scheduler="constant", grpo_updates=1, grpo_kl_coef=0.05,
                     save_every=1, progress=False, seed=3, loss_type="grpo",
-                    rollout=dict(group_size=3, max_tokens=6, temperature=1.0, prompts_per_step=2),
-                    rewards=[dict(function="my_rewards.py:score"), dict(name="format", pattern="e", weight=0.5)])
-run_online_grpo(opts, callbacks=[KillAt({kill_at})] if {kill_at!r} else [])
+                    rollout=dict(group_size=3, max_tokens=6, temperature=1.0, prompts_per_step=2{rollout}),
+                    rewards=[dict(function="my_rewards.py:score"), dict(name="format", pattern="e", weight=0.5)]{extra})
+result = run_online_grpo(opts, callbacks=[KillAt({kill_at})] if {kill_at!r} else [])
+from astrai.train.summary import lines
+print("\\n".join(lines(result)))
 """
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
 
@@ -203,3 +205,55 @@ def test_with_lora_the_engine_samples_base_plus_adapters_and_keeps_no_pool(setup
     gc.collect()
     assert not [o for o in gc.get_objects() if type(o) is Engine]  # the KV pool went with the engine
     assert stats["kv_pool_mb"] > 0
+
+
+VAL_QUESTIONS = ["what is two plus two", "name a colour", "say something kind"]
+
+
+def test_held_out_prompts_are_sampled_and_scored_without_changing_training(setup):
+    """val_data on a prompt set: G completions per held-out prompt from the current weights, seeded alike
+    at every evaluation, scored as training is; training draws exactly what it draws without them."""
+    from astrai.rl.online import VAL_STEP
+    from astrai.train.data import TrainData
+
+    root, ckpt = setup
+    with open(root / "val.jsonl", "w") as fh:
+        for i, q in enumerate(VAL_QUESTIONS):
+            fh.write(json.dumps({"messages": [{"role": "user", "content": q}], "answer": ["yes", "no"][i % 2]}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "astrai.cli", "preprocess", str(root / "pipe.yaml"), "-i",
+                        str(root / "val.jsonl"), "-o", str(root / "val"), "--workers", "1"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    # max_running 3 = one group: the held-out set is sampled a prompt at a time, seeded by its number in the set
+    val = f", val_data={str(root / 'val')!r}, eval_every=2"
+    r = train(root, ckpt, root / "v", 3, extra=val, rollout=", max_running=3")
+    assert r.returncode == 0, r.stderr
+    assert "held-out mean reward" in r.stdout and "astrai eval" not in r.stdout  # a prompt set has no answers
+    out = root / "v"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in records if "val_reward_mean" in m]
+    assert [m["step"] for m in evals] == [0, 2, 3] and not any("val_loss" in m for m in evals)
+    sampled = [json.loads(x) for x in (out / "val_completions.jsonl").read_text().splitlines()]
+    for m in evals:  # each figure is the mean over that evaluation's logged completions, failures left out
+        mine = [d for d in sampled if d["step"] == m["step"]]
+        assert len(mine) == len(VAL_QUESTIONS) * 3 == m["val_completions"]
+        ok = [d["reward"] for d in mine if d["reward"] is not None]
+        assert m["val_reward_mean"] == pytest.approx(sum(ok) / len(ok))
+        assert m["val_reward_errors"] == len(mine) - len(ok)
+        assert m["val_completion_length"] == pytest.approx(sum(d["tokens"] for d in mine) / len(mine))
+    # step 0 is the checkpoint's own weights: one call over the whole set, seeded as the evaluations are
+    tok = load_tokenizer(str(ckpt))
+    ro = RolloutOptions(group_size=3, max_tokens=6, temperature=1.0)
+    ds = TrainData(root / "val").dataset
+    groups, _ = Rollout(load_checkpoint(ckpt), tok, ro, seed=3, device="cpu").generate(
+        [ds[i]["input_ids"].tolist() for i in range(len(ds))], VAL_STEP)
+    assert [d["completion"] for d in sampled if d["step"] == 0] == [c["text"] for g in groups for c in g]
+    # training drew what a run without held-out prompts draws (the evaluations take nothing from its streams)
+    r = train(root, ckpt, root / "nv", 3)
+    assert r.returncode == 0, r.stderr
+    assert (out / "completions.jsonl").read_text() == (root / "nv" / "completions.jsonl").read_text()
+    # killed after step 2 (and its evaluation), then rerun: the same held-out completions, none twice
+    r = train(root, ckpt, root / "vk", 3, kill_at=2, extra=val, rollout=", max_running=3")
+    assert r.returncode != 0
+    r = train(root, ckpt, root / "vk", 3, extra=val, rollout=", max_running=3")
+    assert r.returncode == 0, r.stderr
+    assert (root / "vk" / "val_completions.jsonl").read_text() == (out / "val_completions.jsonl").read_text()
