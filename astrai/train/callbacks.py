@@ -114,9 +114,27 @@ class Metrics(Callback):
                 sink.write(rec)
 
     def on_train_begin(self, trainer):
-        if trainer.val_dataset is not None and trainer.state.global_step == 0:  # resumed: measured by then
+        step = trainer.state.global_step
+        if trainer.val_dataset is not None and step == 0:  # resumed: measured by then
             self._validate(trainer)
+        elif trainer.val_dataset is not None and self._logged_validation(step, trainer):
+            self._validated_at = step  # a finished run resumed: its last figures are not measured again
         self._t = time.perf_counter()
+
+    def _logged_validation(self, step: int, trainer) -> bool:
+        """Whether the file holds validation figures of `step` (rank 0 reads, every rank learns)."""
+        from astrai.train.distributed import all_sum
+
+        found = 0.0
+        if trainer.dist.is_main and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:  # a line cut by a kill
+                    continue
+                if isinstance(rec, dict) and rec.get("step") == step and any(k.startswith("val_") for k in rec):
+                    found = 1.0
+        return all_sum([found], trainer.dist)[0] > 0
 
     def on_batch_end(self, trainer):
         s = trainer.state

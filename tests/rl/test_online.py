@@ -240,6 +240,12 @@ def test_held_out_prompts_are_sampled_and_scored_without_changing_training(setup
         assert m["val_reward_mean"] == pytest.approx(sum(ok) / len(ok))
         assert m["val_reward_errors"] == len(mine) - len(ok)
         assert m["val_completion_length"] == pytest.approx(sum(d["tokens"] for d in mine) / len(mine))
+    # the finished run started again resumes at its end: its last evaluation is not measured (or logged) twice
+    before = (out / "val_completions.jsonl").read_text()
+    r = train(root, ckpt, out, 3, extra=val, rollout=", max_running=3")
+    assert r.returncode == 0, r.stderr
+    assert (out / "val_completions.jsonl").read_text() == before
+    assert sum("val_reward_mean" in x for x in (out / "metrics.jsonl").read_text().splitlines()) == 3
     # step 0 is the checkpoint's own weights: one call over the whole set, seeded as the evaluations are
     tok = load_tokenizer(str(ckpt))
     ro = RolloutOptions(group_size=3, max_tokens=6, temperature=1.0)
