@@ -66,7 +66,8 @@ def _train_kind() -> StageKind:
         describe=describe_train,
         check=check_train, figures=("steps", "train_loss", "val_loss_start", "val_loss", "val_loss_drop",
                                     "val_reward_accuracy_start", "val_reward_accuracy", "val_reward_margin",
-                                    "val_policy_reward_start", "val_policy_reward", "reward_first", "reward_last"),
+                                    "val_policy_reward_start", "val_policy_reward", "reward_first", "reward_last",
+                                    "val_reward_mean_start", "val_reward_mean"),
         stamped=("final",), unstamped=("eval.json",), growable=GROWABLE, continues=continues_train)
 
 

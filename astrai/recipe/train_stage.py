@@ -141,7 +141,8 @@ def continued_from(model: Path) -> Path:
 
 def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft", online: bool = False) -> dict:
     """The stage's key figures (first and last of each validation figure; the drop of val_loss; for
-    online GRPO the mean reward of the first and the last 20% of the steps) and its curves for the
+    online GRPO the mean reward of the first and the last 20% of the steps, and with held-out prompts
+    their sampled mean reward, val_reward_mean) and its curves for the
     run's loss.png (astrai.plot). GRPO's validation loss is left out of the figures: with the old
     policy equal to the current one it is -sum(advantage * tokens) plus the KL, which says nothing
     about learning (its held-out policy-weighted reward does)."""
@@ -155,6 +156,8 @@ def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft", onlin
     if strategy == "grpo":
         f = {k: v for k, v in f.items() if not k.startswith("val_loss")}
         out["val_loss"] = None
+    if strategy == "grpo" and not online:  # the held-out data's own rewards: the same at every evaluation
+        f = {k: v for k, v in f.items() if not k.startswith(("val_reward_mean", "val_reward_std"))}
     out |= {k: v for k, v in f.items() if k.startswith("val_")}
     if "val_loss" in f:
         out["val_loss_drop"] = f["val_loss_start"] - f["val_loss"]

@@ -221,3 +221,21 @@ def test_a_train_stage_gets_every_check_astrai_train_makes(override, key, messag
         load_recipe_spec(str(recipe), (override,))
     [p] = e.value.problems
     assert p.path == f"stages.train.{key}" and message in p.message, p
+
+
+def test_train_figures_show_sampled_held_out_rewards_only_online(tmp_path):
+    """Online GRPO's val_reward_mean is of completions sampled from the weights at each evaluation (it moves);
+    offline GRPO's is the held-out data's own (the same every time): a key figure online only."""
+    import json
+
+    from astrai.recipe.train_stage import train_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    recs = [{"step": 0, "val_reward_mean": 0.25, "val_policy_reward": 0.3}, {"step": 1, "loss": 1.0, "reward_mean": 0.2},
+            {"step": 2, "loss": 0.5, "reward_mean": 0.6}, {"step": 2, "val_reward_mean": 0.75, "val_policy_reward": 0.4}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    online = train_metrics({"steps": 2}, f, "grpo", online=True)
+    assert (online["val_reward_mean_start"], online["val_reward_mean"]) == (0.25, 0.75)
+    assert (online["reward_first"], online["reward_last"]) == (0.2, 0.6)
+    offline = train_metrics({"steps": 2}, f, "grpo", online=False)
+    assert "val_reward_mean" not in offline and "reward_first" not in offline and offline["val_policy_reward"] == 0.4
