@@ -153,11 +153,10 @@ def train_metrics(result: dict, metrics_file: Path, strategy: str = "sft", onlin
     f = figures(records)
     out = {"steps": result.get("steps"), "train_loss": f.get("loss", result.get("loss")),
            "val_loss": result.get("val_loss"), "checkpoint": result.get("final")}
-    if strategy == "grpo":
-        f = {k: v for k, v in f.items() if not k.startswith("val_loss")}
+    if strategy == "grpo":  # offline, val_reward_mean is the held-out data's own: the same at every evaluation
+        left_out = ("val_loss",) if online else ("val_loss", "val_reward_mean", "val_reward_std")
+        f = {k: v for k, v in f.items() if not k.startswith(left_out)}
         out["val_loss"] = None
-    if strategy == "grpo" and not online:  # the held-out data's own rewards: the same at every evaluation
-        f = {k: v for k, v in f.items() if not k.startswith(("val_reward_mean", "val_reward_std"))}
     out |= {k: v for k, v in f.items() if k.startswith("val_")}
     if "val_loss" in f:
         out["val_loss_drop"] = f["val_loss_start"] - f["val_loss"]

@@ -124,17 +124,11 @@ class Metrics(Callback):
     def _logged_validation(self, step: int, trainer) -> bool:
         """Whether the file holds validation figures of `step` (rank 0 reads, every rank learns)."""
         from astrai.train.distributed import all_sum
+        from astrai.train.summary import read_records
 
-        found = 0.0
-        if trainer.dist.is_main and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # a line cut by a kill
-                    continue
-                if isinstance(rec, dict) and rec.get("step") == step and any(k.startswith("val_") for k in rec):
-                    found = 1.0
-        return all_sum([found], trainer.dist)[0] > 0
+        found = trainer.dist.is_main and any(r.get("step") == step and any(k.startswith("val_") for k in r)
+                                             for r in read_records(self.path))
+        return all_sum([float(found)], trainer.dist)[0] > 0
 
     def on_batch_end(self, trainer):
         s = trainer.state

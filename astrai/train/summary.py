@@ -24,10 +24,17 @@ ONLINE_SHOWN = (("val_reward_mean", "held-out mean reward"), ("val_truncated_sha
 
 
 def read_records(path) -> list[dict]:
+    """metrics.jsonl's records. Each is written as one line ending in a newline, so a last line without
+    one that does not parse was cut by a kill: it is left out (the resumed run logs that step again)."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    *whole, tail = path.read_text().split("\n")
+    records = [json.loads(line) for line in whole if line.strip()]
+    try:
+        return records + ([json.loads(tail)] if tail.strip() else [])
+    except ValueError:
+        return records
 
 
 def _series(records: list[dict], key: str) -> list[float]:

@@ -88,3 +88,16 @@ def test_report_to_accepts_none_one_or_a_list(tmp_path):
     assert ts.options(tmp_path, report_to=["wandb", "tensorboard", "wandb"]).reporters == ["wandb", "tensorboard"]
     with pytest.raises(ValidationError):
         ts.options(tmp_path, report_to="mlflow")
+
+
+def test_metrics_records_leave_out_only_a_last_line_cut_by_a_kill(tmp_path):
+    from astrai.train.summary import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "val_loss": 1.5}\n')
+    assert read_records(path) == [{"step": 1}, {"step": 2, "val_loss": 1.5}]
+    path.write_text('{"step": 1}\n{"step": 2, "val_lo')  # a record's single write, cut
+    assert read_records(path) == [{"step": 1}]
+    path.write_text('{"step": 1}\n{"step": 2, "val_lo\n{"step": 3}\n')  # inside the file: not ours to drop
+    with pytest.raises(ValueError):
+        read_records(path)
