@@ -115,6 +115,8 @@ class Metrics(Callback):
 
     def on_train_begin(self, trainer):
         step = trainer.state.global_step
+        if trainer.dist.is_main and self.path.exists():
+            drop_cut_line(self.path)
         if trainer.val_dataset is not None and step == 0:  # resumed: measured by then
             self._validate(trainer)
         elif trainer.val_dataset is not None and self._logged_validation(step, trainer):
@@ -183,3 +185,12 @@ class ProgressBar(Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def drop_cut_line(path: Path):
+    """A record cut by a kill (the file does not end in a newline) is removed before more are appended
+    after it, so every line of the file stays one whole record."""
+    with open(path, "rb+") as fh:
+        data = fh.read()
+        if data and not data.endswith(b"\n"):
+            fh.truncate(data.rfind(b"\n") + 1)

@@ -101,3 +101,17 @@ def test_metrics_records_leave_out_only_a_last_line_cut_by_a_kill(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2, "val_lo\n{"step": 3}\n')  # inside the file: not ours to drop
     with pytest.raises(ValueError):
         read_records(path)
+
+
+def test_a_resumed_run_appends_after_whole_records_only(tmp_path):
+    from astrai.train.callbacks import drop_cut_line
+    from astrai.train.summary import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo')
+    drop_cut_line(path)
+    with open(path, "a") as fh:  # what the resumed run appends next
+        fh.write('{"step": 2, "loss": 1.0}\n')
+    assert read_records(path) == [{"step": 1}, {"step": 2, "loss": 1.0}]
+    drop_cut_line(path)  # whole records are left alone
+    assert path.read_text() == '{"step": 1}\n{"step": 2, "loss": 1.0}\n'
