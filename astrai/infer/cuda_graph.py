@@ -73,14 +73,14 @@ def plan_inputs(reqs, bucket: int, page_size: int, scratch_page: int) -> StepInp
 
 class GraphDecode:
     def __init__(self, fused, backend, max_running: int, max_context: int, page_size: int, scratch_page: int,
-                 device: torch.device):
-        from astrai.infer.runner import PagedContext
-
+                 device: torch.device, context):
+        """`context(backend, meta, write_slots, decode=True)` makes the step's attention context (the
+        runner's PagedContext), so this module needs nothing from the runner."""
         self.fused, self.backend, self.device = fused, backend, device
         self.page_size, self.scratch_page, self.max_context = page_size, scratch_page, max_context
         self.sizes = buckets(max_running)
         n, max_pages = self.sizes[-1], pages_for(max_context, page_size)
-        self._ctx_cls = PagedContext
+        self._ctx_cls = context
         sizes = {"ids": (n, torch.int64), "positions": (n, torch.int64), "write_slots": (n, torch.int64),
                  "kv_lens": (n, torch.int32), "kv_indptr": (n + 1, torch.int32),
                  "page_indices": (n * max_pages, torch.int32)}

@@ -3,13 +3,12 @@
 `FusedModel(model)` keeps, per layer, one weight for q/k/v (and their biases, when the model has
 them), one for gate/up and a copy of o, built from the model's own separate nn.Linear modules,
 which stay what training, LoRA and checkpoints use. These are stored input-major ([in, out],
-contiguous; x @ W rather than nn.Linear's x @ W^T on [out, in]): at one token per step MKL's
-matrix-vector product streams them faster that way on this CPU (q/k/v 1.29-1.60x, gate/up
-1.66-1.75x, o 1.05-1.26x), while down ([576, 1536] in SmolLM2) runs about 1.45x slower, so down
-stays the model's own weight (bench/cpu_ops.py --decode-weights; bench/RESULTS.md). From 4 to 32
-rows (OWN_ROWS: a batch of decoding requests, a short chunk) the model's own [out, in] weights are
-faster on the same CPU idle (up to 1.35x per projection; 16 SmolLM2 chats at once 1.15-1.25x), so
-those steps use them, one matmul per projection; from 32 rows up the layouts are level.
+contiguous; x @ W rather than nn.Linear's x @ W^T on [out, in]), the layout MKL's matrix-vector
+product streams fastest at one or two tokens per step, except down, which stays the model's own
+weight (its transposed view is the faster one). From 4 to 32 rows (OWN_ROWS: a batch of decoding
+requests, a short chunk) the model's own [out, in] weights are the faster layout, so those steps use
+them, one matmul per projection; from 32 rows up the layouts are level. The layouts were chosen
+with bench/cpu_ops.py --decode-weights (figures in bench/RESULTS.md).
 `forward(ids, positions, ctx)` computes what
 `CausalLM.forward` computes (same operations in the same order, so the same numbers up to the
 matmul's own blocking), with fewer and larger operations:
@@ -52,9 +51,7 @@ IMPLEMENTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
                "initializer_range", "extra", "router_aux_loss_coef", "num_experts_per_tok", "num_local_experts"}
 # steps of this many rows run on the model's own [out, in] weights (FusedLayer.*_own), the others on the
-# input-major fused copies: MKL's products of [rows, 576] by SmolLM2's projections on this CPU,
-# idle, 2 threads, 30 weights each: input-major 1.2-2.0x faster at 1-2 rows, the model's layout
-# 1.1-1.35x faster at 4-16 rows, level from 32 up (bench/RESULTS.md)
+# input-major fused copies (the faster layout at 1-2 rows; level from 32 up)
 OWN_ROWS = (4, 32)
 _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj"}

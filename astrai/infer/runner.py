@@ -15,11 +15,10 @@ GPU with the cuda backend: astrai.infer.cuda_graph). Before each step `sync_weig
 changed weights (astrai.infer.fused.WeightWatch) and rebuilds the fused copies.
 
 On CPU the LM head multiplies by a transposed, contiguous copy of its weight ([hidden, vocab]):
-a decode step's [16, 64] x [64, 129282] took 2.6-3.0 ms that way against 4.2-4.4 ms through
-F.linear on the [vocab, hidden] weight, [4, 512] 38 against 55 ms (one thread, bench/cpu_ops.py);
-at [16, 256] the two are level within the noise (0.83-1.02x). The head is the largest cost of a
-small model's decode step. The copy costs the head's size in memory once, and is remade if the
-weight changes (its data pointer or version counter).
+MKL streams that layout faster for the few rows a decode step has (bench/cpu_ops.py; figures in
+bench/RESULTS.md), and the head is the largest single product of a small model's decode step. The
+copy costs the head's size in memory once, and is remade if the weight changes (its data pointer
+or version counter).
 """
 
 from __future__ import annotations
@@ -123,7 +122,7 @@ class ModelRunner:
         if self.backend.k_cache[0].shape[0] < (self.pool.num_pages + 1) * self.pool.page_size:
             raise ValueError("CUDA graphs need a scratch page after the pool's pages in the K/V storage")
         return GraphDecode(self.fused, self.backend, self.pool.table.table.shape[0], self.pool.max_context,
-                           self.pool.page_size, self.pool.num_pages, self.device)
+                           self.pool.page_size, self.pool.num_pages, self.device, PagedContext)
 
     def _compiled_decode(self):
         from astrai.infer.backends.torch_native import TorchBackend

@@ -102,8 +102,8 @@ def draw(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 def first_argmax(x: torch.Tensor, block: int = 256) -> torch.Tensor:
     """x [B, V] -> index of the first maximum of each row (argmax's answer). On CPU, max with indices
     over a 129k vocabulary runs at about a third of the speed of amax: take the per-block amax, find
-    the first block holding the row maximum, and search only that block (0.58-0.61 ms against 0.94-1.00 ms
-    at [16, 129282], one thread); a decode step pays this once."""
+    the first block holding the row maximum, and search only that block (bench/RESULTS.md has the
+    timings); a decode step pays this once."""
     r, n = x.shape
     nb = n // block
     if nb < 8:

@@ -5,8 +5,7 @@ together would waste more than the loop costs). A request with cached K/V before
 needs a bottom-right causal mask, and SDPA with an explicit mask computes every block of the
 q_len x kv_len rectangle; on CPU it is split instead into attention over the cached prefix (no mask)
 and causal attention over the new tokens, merged by their log-sum-exps (the CPU flash kernel
-returns them): at 512 new tokens after 512 cached, 1.9 ms against 2.6 ms per layer and request at
-head_dim 16, 3-8% less at head_dim 64 (bench/cpu_ops.py). Decode pads all requests to the longest K/V and runs one
+returns them), which skips the masked-out blocks (bench/cpu_ops.py). Decode pads all requests to the longest K/V and runs one
 SDPA call with a length mask. Slot indices and masks are derived from the meta once per step
 (kept in meta.scratch, per window) and reused by every layer.
 
@@ -112,7 +111,7 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         gqa = q.shape[1] != k_cache.shape[1]
         for start, end, slots, mask, cached, first in self._prefill_plan(meta, window):
-            # 4-D on purpose: on CPU, 3-D inputs take SDPA's math path (measured 5x slower at 1k tokens)
+            # 4-D on purpose: on CPU, 3-D inputs take SDPA's slower math path
             qb = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
             kb = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len - first, D]
             vb = v_cache.index_select(0, slots).transpose(0, 1)[None]
@@ -161,8 +160,8 @@ class TorchBackend(AttentionBackend):
         return plan
 
     def _gather(self, layer: int, slots: torch.Tensor):
-        """K and V at slots [B, L] -> [B, Hkv, L, D] each. index_select on the flat slots: measured 3.7x
-        faster than advanced indexing with a 2-D index on CPU."""
+        """K and V at slots [B, L] -> [B, Hkv, L, D] each. index_select on the flat slots, which
+        CPU torch runs faster than advanced indexing with a 2-D index."""
         shape = (*slots.shape, *self.k_cache[layer].shape[1:])
         k = self.k_cache[layer].index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
         v = self.v_cache[layer].index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
