@@ -8,16 +8,22 @@ and nobody is served. Here (`protocol_class`, uvicorn's h11 protocol with two ad
 
 - headers must be complete within `header_timeout` seconds of the connection opening, or of the
   first byte of a later request on a kept-alive connection; otherwise the connection is closed;
-- at most `max_connections` are open: a new connection beyond the cap closes the one that has been
-  idle longest (between requests, or still sending its headers); when every connection has a request
-  in progress, the new one is answered 503 and closed. A flood of idle connections therefore never
-  locks out a client that sends its request at once (/health keeps answering);
+- at most `max_connections` are open: beyond the cap, the connections idle longest (between requests,
+  or still sending their headers) are closed to make room, once idle for GRACE_S (a burst of new
+  connections is accepted in one go before any of them is read: without the grace, a burst larger
+  than the cap would close its own first members, a client's request among them, unread); past
+  the cap plus the backlog (what the file budget holds) without waiting for the grace. When
+  every connection has a request in progress, a new one is answered 503 and closed. A flood of
+  idle connections therefore never locks out a client that sends its request at once (/health
+  keeps answering);
 - `fd_budget` raises the process's open-file limit (ulimit -n) towards what the cap and the listen
-  backlog (as large as the cap) need: both may be open at once, since the event loop accepts a whole
-  backlog in one go before the protocol sees any of them;
+  backlog (twice the cap, up to 4096) need: both may be open at once, since the event loop accepts a
+  whole backlog in one go before the protocol sees any of them. A burst of new connections waits in
+  the backlog rather than being dropped by the kernel (a dropped SYN costs its client a second);
 - `OncePerInterval`, a logging filter, lets a repeated warning or error through once per interval
-  with the count of those held back, and without a traceback (accept() failing for want of
-  descriptors, h11's "Invalid HTTP request received.", uvicorn's concurrency-limit warning).
+  with the count of those held back, an OSError as one line without its traceback (accept() failing
+  for want of descriptors: asyncio logs it with a traceback at every retry; h11's "Invalid HTTP
+  request received." for each malformed request).
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import OrderedDict
 from typing import Optional
 
+GRACE_S = 1.0  # a new connection is not closed to make room before it had this long to send its request
 FD_RESERVE = 64  # descriptors beyond those open at start: the executor's, the engine's, stdio, a scrape
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n%s")
@@ -43,43 +51,72 @@ def protocol_class(max_connections: int, header_timeout: float):
     """uvicorn's h11 protocol with a header timeout and a connection cap (see the module docstring)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    idle: OrderedDict = OrderedDict()  # connection -> since when idle (no request in progress), longest idle first
+    open_count = [0]  # connections open and not dropped
+    trim_at = [None]  # the pending call of make_room, if any
+    hard_cap = max_connections + backlog_for(max_connections)  # what fd_budget provided for
+
+    def make_room(loop) -> None:
+        """Close connections idle for GRACE_S or more, longest idle first, until at most max_connections are open
+        (younger ones too while more than hard_cap are); look again when the longest idle is GRACE_S old."""
+        if trim_at[0] is not None:
+            trim_at[0].cancel()
+            trim_at[0] = None
+        now = time.monotonic()
+        while open_count[0] > max_connections and idle:
+            oldest, since = next(iter(idle.items()))
+            if now - since < GRACE_S and open_count[0] <= hard_cap:
+                trim_at[0] = loop.call_later(since + GRACE_S - now, make_room, loop)
+                return
+            oldest.drop()
+
     class CappedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self.idle_since = time.monotonic()
-            self.dropped = False
-            self.header_timer = None
+            self.dropped, self.header_timer = False, None
+            open_count[0] += 1
+            if open_count[0] > max_connections and not idle:  # every connection has a request in progress
+                transport.write(_busy_response(max_connections))
+                self.drop()
+                return
+            idle[self] = time.monotonic()
             self._arm()
-            open_ = [c for c in self.connections if not getattr(c, "dropped", False)]
-            if len(open_) > max_connections:
-                idle = [c for c in open_ if c is not self and c.idle()]
-                if idle:
-                    min(idle, key=lambda c: c.idle_since).drop()
-                else:
-                    self.transport.write(_busy_response(max_connections))
-                    self.drop()
-
-        def idle(self) -> bool:
-            """Between requests, or still sending the request line and headers."""
-            return self.cycle is None or self.cycle.response_complete
+            if open_count[0] > max_connections and (trim_at[0] is None or open_count[0] > hard_cap):
+                make_room(self.loop)
 
         def drop(self) -> None:
-            self.dropped = True
-            self._disarm()
-            self.transport.close()
+            if not self.dropped:
+                self.dropped = True
+                open_count[0] -= 1
+                idle.pop(self, None)
+                self._disarm()
+                self.transport.close()
+
+        def busy(self) -> bool:
+            """A request is in progress (its headers are in); otherwise between requests or still sending headers."""
+            return self.cycle is not None and not self.cycle.response_complete
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.idle():
-                self._arm()  # a later request's first bytes: its headers get the same time
-            else:
+            if self.dropped:
+                return
+            if self.busy():
+                idle.pop(self, None)
                 self._disarm()
+            else:
+                self._arm()  # a later request's first bytes: its headers get the same time
 
         def on_response_complete(self) -> None:
-            self.idle_since = time.monotonic()
             super().on_response_complete()
+            if not self.dropped and not self.transport.is_closing():
+                idle[self] = time.monotonic()  # the newest idle one
+                idle.move_to_end(self)
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
+            if not self.dropped:
+                self.dropped = True
+                open_count[0] -= 1
+            idle.pop(self, None)
             self._disarm()
             super().connection_lost(exc)
 
@@ -94,22 +131,27 @@ def protocol_class(max_connections: int, header_timeout: float):
 
         def _headers_late(self) -> None:
             self.header_timer = None
-            if self.idle() and not self.transport.is_closing():
+            if not self.busy():
                 self.drop()
 
     return CappedH11Protocol
 
 
+def backlog_for(max_connections: int) -> int:
+    """The listen backlog: room for a burst of twice the cap (within Linux's default somaxconn of 4096)."""
+    return min(2 * max_connections, 4096)
+
+
 def fd_budget(max_connections: int, given: bool) -> tuple[int, Optional[str]]:
     """Raise the soft open-file limit (never above the hard one) to what `max_connections` open connections
-    plus as many waiting in the listen backlog need. Returns the cap to use and a line to print: when the
-    limit falls short, a cap the user gave is an error (ValueError), the default is lowered to fit."""
+    plus a full listen backlog need. Returns the cap to use and a line to print: when the limit falls
+    short, a cap the user gave is an error (ValueError), the default is lowered to fit."""
     try:
         import resource
     except ImportError:  # not a POSIX system: nothing to adjust
         return max_connections, None
     in_use = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
-    need = 2 * max_connections + in_use + FD_RESERVE
+    need = max_connections + backlog_for(max_connections) + in_use + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return max_connections, None
@@ -117,17 +159,18 @@ def fd_budget(max_connections: int, given: bool) -> tuple[int, Optional[str]]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     if target >= need:
         return max_connections, None
-    fits = max((target - in_use - FD_RESERVE) // 2, 1)
+    fits = max((target - in_use - FD_RESERVE) // 3, 1)
     if given:
-        raise ValueError(f"--max-connections {max_connections} needs about {need} open files (as many again for "
-                         f"the listen backlog, and what is open now) but this process may open {target} "
+        raise ValueError(f"--max-connections {max_connections} needs about {need} open files (twice as many again "
+                         f"for the listen backlog, and what is open now) but this process may open {target} "
                          f"(ulimit -n): lower --max-connections to {fits} or raise ulimit -n")
     return fits, f"at most {fits} connections (ulimit -n {target} allows no more; raise it for more)"
 
 
 class OncePerInterval(logging.Filter):
-    """Lets a log record through once per `interval` seconds per message, as one line (no traceback);
-    the next one let through says how many were held back."""
+    """Lets a warning or error through once per `interval` seconds per message; the next one let through
+    says how many were held back. An OSError's traceback is dropped (the message and the error say it all:
+    accept() out of file descriptors, a connection reset); any other keeps its traceback."""
 
     def __init__(self, interval: float = 10.0):
         super().__init__()
@@ -144,13 +187,16 @@ class OncePerInterval(logging.Filter):
             self.held[key] = self.held.get(key, 0) + 1
             return False
         self.last[key] = now
-        message = record.getMessage()
-        if record.exc_info and record.exc_info[1] is not None:
-            message += f": {record.exc_info[1]}"
         held = self.held.pop(key, 0)
+        exc = record.exc_info[1] if record.exc_info else None
+        if not held and not isinstance(exc, OSError):
+            return True  # the first of its kind, as it was logged (a bug keeps its traceback)
+        message = record.getMessage() + (f": {exc}" if isinstance(exc, OSError) else "")
         if held:
-            message += f" ({held} more like it in the last {self.interval:g} s, not shown)"
-        record.msg, record.args, record.exc_info, record.exc_text = message, None, None, None
+            message += f" ({held} more like it since the last one shown)"
+        record.msg, record.args = message, None
+        if isinstance(exc, OSError):  # out of descriptors, a reset connection: the line says it all
+            record.exc_info, record.exc_text = None, None
         return True
 
 

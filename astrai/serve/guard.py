@@ -9,8 +9,10 @@
   are what a web page may send to any origin without a CORS preflight, so a page open in a browser
   on this machine could otherwise start generations on a keyless local server.
 - The body: refused with 413 on its Content-Length, or while it streams in, past `max_body`; it
-  must arrive within `read_timeout` seconds of the headers (408). Each refusal closes the connection,
-  since the rest of the body is never read.
+  must arrive within `read_timeout` seconds of the headers (408, and the connection is closed). After
+  any other refusal the connection stays open and the rest of the body is read and dropped (within
+  `read_timeout`, connections.py), so the client reads the answer: closing a socket with unread data
+  resets it, and the client would see a broken connection instead of the 413.
 - A client that disconnects before its body is complete ends its request silently: nobody is
   there to answer, and it is not a fault of the server.
 - Any other exception of a handler is answered 500 in OpenAI's error shape and its traceback written
@@ -98,7 +100,7 @@ def _header(scope, name: bytes) -> Optional[str]:
     return None
 
 
-async def answer(send, err: APIError, close: bool = True) -> None:
+async def answer(send, err: APIError, close: bool = False) -> None:
     body = json.dumps(err.body(), allow_nan=False).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
@@ -130,8 +132,8 @@ class Guard:
         return None
 
     def too_large(self) -> APIError:
-        return APIError(413, f"the body is larger than {self.max_body / 2 ** 20:g} MiB (--max-body-mb)",
-                        code="request_too_large")
+        size = f"{self.max_body / 2 ** 20:g} MiB" if self.max_body >= 2 ** 20 else f"{self.max_body / 1024:g} KiB"
+        return APIError(413, f"the body is larger than {size} (--max-body-mb)", code="request_too_large")
 
     def bounded(self, receive):
         """`receive` that counts the body's bytes and bounds its time; a disconnect before its end is ClientGone."""
@@ -176,8 +178,8 @@ class Guard:
             return
         except BodyRefused as e:
             if not started:
-                await answer(send, e.error)
+                await answer(send, e.error, close=e.error.status == 408)
         except Exception as e:  # a bug: say so to the client, once to the log, and keep serving
             traceback.print_exception(e, file=sys.stderr)
             if not started:
-                await answer(send, APIError(500, f"internal error: {type(e).__name__}: {e}"), close=False)
+                await answer(send, APIError(500, f"internal error: {type(e).__name__}: {e}"))

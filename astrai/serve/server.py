@@ -90,12 +90,11 @@ def serve_main(options: ServeOptions, out=None) -> int:
 
     from astrai.infer.engine import Engine
     from astrai.serve.app import ServeConfig, build_app
-    from astrai.serve.connections import fd_budget, protocol_class, quiet_repeats
+    from astrai.serve.connections import backlog_for, fd_budget, protocol_class, quiet_repeats
     from astrai.serve.guard import HostRule
 
-    # the listen backlog is as large as the connection cap (within the kernel's own bound, somaxconn)
     max_connections, note = fd_budget(options.max_connections, "max_connections" in options.model_fields_set)
-    backlog = min(max_connections, 4096)
+    backlog = backlog_for(max_connections)
     sock = bind(options.host, options.port, backlog)  # before loading: a busy port fails in a second, not a minute
     if note:
         print(f"astrai serve: {note}", file=out, flush=True)
@@ -112,10 +111,10 @@ def serve_main(options: ServeOptions, out=None) -> int:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             http=protocol_class(max_connections, options.read_timeout),
                             timeout_graceful_shutdown=options.shutdown_timeout, timeout_keep_alive=KEEP_ALIVE_S,
-                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, backlog=backlog,
-                            # a backstop only: the protocol keeps connections within the cap, and uvicorn answers
-                            # 503 once connections or tasks reach this
-                            limit_concurrency=max_connections + 1)
+                            # no limit_concurrency: uvicorn answers 503 to every request once that many connections
+                            # are open, whatever they do, so idle ones would lock clients out; the protocol's cap
+                            # closes the longest idle connection instead
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, backlog=backlog)
     quiet_repeats()
     server = _server_class()(config)
     for sig in (signal.SIGINT, signal.SIGTERM):  # from the ready line on, a signal stops the server cleanly
