@@ -54,8 +54,8 @@ class ServeOptions(BaseModel):
                                  "503")
     read_timeout: float = Field(30.0, gt=0, description="seconds a client gets to send a request's headers, and "
                                 "again for its body; a slower one is closed (headers) or answered 408 (body)")
-    max_body_mb: float = Field(32.0, gt=0, description="largest request body in MiB; a larger one gets 413 "
-                               "before it is read")
+    max_body_mb: float = Field(32.0, gt=0, description="largest request body in MiB; a larger one gets 413, on "
+                               "its Content-Length or as it streams in")
     max_prompt_chars: Optional[int] = Field(None, ge=1, description="longest prompt, or all messages' text together, "
                                             "in characters, refused before the chat template and tokenizer run; "
                                             "default: 16 per token of the context length")

@@ -132,10 +132,13 @@ class ChatRequest(_Common):
             d["role"] = "system" if m.role == "developer" else m.role
             if isinstance(m.content, list):
                 parts = []
-                for part in m.content:
-                    if part.type != "text" or part.text is None:
+                for j, part in enumerate(m.content):
+                    if part.type != "text":
                         raise APIError(400, f"messages[{i}].content: only text parts are supported, got "
                                             f"{part.type!r}", param="messages")
+                    if part.text is None:
+                        raise APIError(400, f"messages[{i}].content[{j}]: a text part needs its text",
+                                       param="messages")
                     parts.append(part.text)
                 d["content"] = "".join(parts)
             elif m.content is None:
