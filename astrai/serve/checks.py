@@ -65,7 +65,8 @@ class Checks:
             return
         chars = weight(prompt, self.max_chars)  # messages: their text and keys, counted up to the bound
         if chars > self.max_chars:
-            held = f"the prompt has {chars:,}" if isinstance(prompt, str) else f"the messages hold more than {self.max_chars:,}"
+            held = (f"the prompt has {chars:,}" if isinstance(prompt, str)
+                    else f"the messages hold more than {self.max_chars:,}")
             raise APIError(400, f"{held} characters; this server takes at most {self.max_chars:,} before tokenizing "
                                 f"({self.context} tokens of context): shorten it, or start the server with a larger "
                                 f"--max-prompt-chars", param=param, code="context_length_exceeded")

@@ -16,10 +16,9 @@ and nobody is served. Here (`protocol_class`, uvicorn's h11 protocol with two ad
   every connection has a request in progress, a new one is answered 503 and closed. A flood of
   idle connections therefore never locks out a client that sends its request at once (/health
   keeps answering);
-- `fd_budget` raises the process's open-file limit (ulimit -n) towards what the cap and the listen
-  backlog (twice the cap, up to 4096) need: both may be open at once, since the event loop accepts a
-  whole backlog in one go before the protocol sees any of them. A burst of new connections waits in
-  the backlog rather than being dropped by the kernel (a dropped SYN costs its client a second);
+- the listen backlog is as large as the cap (up to 4096): a burst of new connections waits in it
+  rather than being dropped by the kernel (a dropped SYN costs its client a second); `fd_budget`
+  raises the process's open-file limit (ulimit -n) towards what the cap and such bursts need;
 - `OncePerInterval`, a logging filter, lets a repeated warning or error through once per interval
   with the count of those held back, an OSError as one line without its traceback (accept() failing
   for want of descriptors: asyncio logs it with a traceback at every retry; h11's "Invalid HTTP
@@ -35,7 +34,7 @@ from collections import OrderedDict
 from typing import Optional
 
 GRACE_S = 1.0  # a new connection is not closed to make room before it had this long to send its request
-FD_RESERVE = 64  # descriptors beyond those open at start: the executor's, the engine's, stdio, a scrape
+FD_RESERVE = 128  # descriptors beyond those open at start: the model files, closed connections not yet released
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n%s")
 
@@ -138,20 +137,22 @@ def protocol_class(max_connections: int, header_timeout: float):
 
 
 def backlog_for(max_connections: int) -> int:
-    """The listen backlog: room for a burst of twice the cap (within Linux's default somaxconn of 4096)."""
-    return min(2 * max_connections, 4096)
+    """The listen backlog: room for a burst as large as the cap (within Linux's default somaxconn of 4096)."""
+    return min(max_connections, 4096)
 
 
 def fd_budget(max_connections: int, given: bool) -> tuple[int, Optional[str]]:
-    """Raise the soft open-file limit (never above the hard one) to what `max_connections` open connections
-    plus a full listen backlog need. Returns the cap to use and a line to print: when the limit falls
-    short, a cap the user gave is an error (ValueError), the default is lowered to fit."""
+    """Raise the soft open-file limit (never above the hard one) to what `max_connections` needs: the open
+    connections, up to a backlog more while new ones get their grace, and up to two backlogs accepted but
+    not yet seen by the protocol (the event loop accepts a whole backlog per wake-up, and reaches the new
+    connections one wake-up later). Returns the cap to use and a line to print: when the limit falls short,
+    a cap the user gave is an error (ValueError), the default is lowered to fit."""
     try:
         import resource
     except ImportError:  # not a POSIX system: nothing to adjust
         return max_connections, None
     in_use = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
-    need = max_connections + backlog_for(max_connections) + in_use + FD_RESERVE
+    need = max_connections + 3 * backlog_for(max_connections) + in_use + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return max_connections, None
@@ -159,10 +160,11 @@ def fd_budget(max_connections: int, given: bool) -> tuple[int, Optional[str]]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     if target >= need:
         return max_connections, None
-    fits = max((target - in_use - FD_RESERVE) // 3, 1)
+    fits = max((target - in_use - FD_RESERVE) // 4, 1)
     if given:
-        raise ValueError(f"--max-connections {max_connections} needs about {need} open files (twice as many again "
-                         f"for the listen backlog, and what is open now) but this process may open {target} "
+        raise ValueError(f"--max-connections {max_connections} needs about {need} open files (three times as many "
+                         f"again for bursts of new connections, and what is open now) but this process may open "
+                         f"{target} "
                          f"(ulimit -n): lower --max-connections to {fits} or raise ulimit -n")
     return fits, f"at most {fits} connections (ulimit -n {target} allows no more; raise it for more)"
 

@@ -78,7 +78,8 @@ class HostRule:
     def refusal(self, host: Optional[str]) -> APIError:
         shown = ", ".join(sorted(self.names))
         return APIError(421, f"this server does not answer for Host {host!r} (it answers for {shown}); start it "
-                             f"with --allowed-hosts NAME to add a name, or --allowed-hosts '*'", code="misdirected_request")
+                             f"with --allowed-hosts NAME to add a name, or --allowed-hosts '*'",
+                        code="misdirected_request")
 
 
 class ClientGone(Exception):

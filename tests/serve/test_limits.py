@@ -87,7 +87,8 @@ def test_a_batch_past_what_the_server_takes_is_refused_before_encoding(server):
     """30,000 prompts of 1,000 characters: tokenizing them would take minutes; the count is checked first."""
     body = json.dumps({"prompt": ["hello world how are you " * 40] * 30_000, "max_tokens": 1}).encode()
     t0 = time.monotonic()
-    r = httpx.post(server.base + "/completions", content=body, timeout=300, headers={"content-type": "application/json"})
+    r = httpx.post(server.base + "/completions", content=body, timeout=300,
+                   headers={"content-type": "application/json"})
     assert_error(r.status_code, strict_json(r.content), 400, "n", "30000 choices (n x prompts)")
     assert time.monotonic() - t0 < 10
 
