@@ -103,8 +103,8 @@ async def one(host: str, port: int, body: dict) -> dict:
     payload = json.dumps(body).encode()
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
     head = await reader.readuntil(b"\r\n\r\n")
     if b" 200 " not in head.split(b"\r\n")[0]:
         raise RuntimeError(head.decode() + (await reader.read()).decode())

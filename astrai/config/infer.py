@@ -6,8 +6,10 @@ generate` / `astrai eval` are read off these same models (astrai.infer.flags).
 
 `sampling_with` (a request's own sampling keys over a base) and `generation_config_sampling` (a
 checkpoint's generation_config.json as SamplingParams keys) validate user-given sampling the way
-the flags are validated, one line naming the place and the key; the generate verb and the server
-share them.
+the flags are validated, one line naming the place and the key. `with_checkpoint_defaults` is the
+one rule `astrai generate`, `astrai chat` and `astrai serve` resolve sampling by: what was given
+(flags, a record's or a request's own keys), then the checkpoint's generation_config.json, then the
+defaults.
 """
 
 from __future__ import annotations
@@ -79,7 +81,10 @@ class EngineOptions(BaseModel):
         return v
 
 
-CLI_MAX_TOKENS = 256
+class GenerateSampling(SamplingParams):
+    """`astrai generate`'s sampling: a command line's answer is longer than the library's default (16, vLLM's)."""
+
+    max_tokens: int = Field(256, ge=1, description=SamplingParams.model_fields["max_tokens"].description)
 
 
 class GenerateOptions(BaseModel):
@@ -99,14 +104,8 @@ class GenerateOptions(BaseModel):
     as_json: bool = Field(False, description="flag --json: JSONL on standard output even on a terminal (where "
                           "--chat and --input print the conversations and answers as text)",
                           json_schema_extra={"flag": "--json"})
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=CLI_MAX_TOKENS))
+    sampling: GenerateSampling = Field(default_factory=GenerateSampling)
     engine: EngineOptions = Field(default_factory=EngineOptions)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _cli_max_tokens(cls, data):
-        # the command line's default length is longer than the library's (16, vLLM's)
-        return default_max_tokens(data, CLI_MAX_TOKENS)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -184,9 +183,18 @@ def generation_config_sampling(config: Any, where: str) -> dict:
     return out
 
 
-def default_max_tokens(data, n: int):
-    """A `before` validator's body: a `sampling` block given without max_tokens gets `n`, the default of the
-    command or server reading it (longer than the library's)."""
-    if isinstance(data, dict) and isinstance(data.get("sampling"), dict):
-        data["sampling"].setdefault("max_tokens", n)
-    return data
+def checkpoint_sampling_note(checkpoint: dict) -> str | None:
+    """One line saying which sampling defaults a checkpoint's generation_config.json brings (None: none)."""
+    if not checkpoint:
+        return None
+    return ("sampling defaults from the checkpoint's generation_config.json: "
+            + ", ".join(f"{k} {v}" for k, v in checkpoint.items()) + " (given values override them)")
+
+
+def with_checkpoint_defaults(sampling: SamplingParams, checkpoint: dict) -> SamplingParams:
+    """The sampling a request runs with: the fields `sampling` was given (its model_fields_set: flags and --set,
+    a record's or an HTTP request's own keys) over the checkpoint's generation_config.json (`checkpoint`: what
+    generation_config_sampling read, e.g. Engine.generation_defaults) over `sampling`'s defaults. As
+    transformers' generate and vLLM read a checkpoint: its own sampling settings unless the caller says otherwise."""
+    given = sampling.model_dump(include=sampling.model_fields_set)
+    return SamplingParams.model_validate({**sampling.model_dump(), **checkpoint, **given})

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from astrai.config.infer import EngineOptions, SamplingParams, default_max_tokens
+from astrai.config.infer import EngineOptions, SamplingParams
 
-CHAT_MAX_TOKENS = 512
+
+class ChatSampling(SamplingParams):
+    """`astrai chat`'s sampling: an answer in a chat is longer than the library's default (16, vLLM's)."""
+
+    max_tokens: int = Field(512, ge=1, description=SamplingParams.model_fields["max_tokens"].description)
 
 
 CHECKPOINT = ("checkpoint directory (config.json, safetensors, tokenizer files), or a LoRA adapter directory "
@@ -42,7 +46,25 @@ class ServeOptions(BaseModel):
                                     "finish before they are cancelled")
     threads: Optional[int] = Field(None, ge=1, description="torch threads for the engine's CPU work; default: the "
                                    "cores less one (left to the HTTP side), at least 1")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host header values accepted besides the "
+                                     "bound address, localhost, 127.0.0.1 and [::1] (any port); '*' accepts any. "
+                                     "Others get 421: a web page cannot reach the server by DNS rebinding")
+    max_connections: int = Field(1024, ge=1, description="most open client connections; at the cap the connection "
+                                 "idle longest (no request in progress) is closed to make room, else a new one gets "
+                                 "503")
+    read_timeout: float = Field(30.0, gt=0, description="seconds a client gets to send a request's headers, and "
+                                "again for its body; a slower one is closed (headers) or answered 408 (body)")
+    max_body_mb: float = Field(32.0, gt=0, description="largest request body in MiB; a larger one gets 413, on "
+                               "its Content-Length or as it streams in")
+    max_prompt_chars: Optional[int] = Field(None, ge=1, description="longest prompt, or all messages' text together, "
+                                            "in characters, refused before the chat template and tokenizer run; "
+                                            "default: 16 per token of the context length")
     engine: EngineOptions = Field(default_factory=EngineOptions)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _split_commas(cls, v: list[str]) -> list[str]:
+        return [h.strip() for item in v for h in item.split(",") if h.strip()]
 
 
 class ChatOptions(BaseModel):
@@ -51,11 +73,5 @@ class ChatOptions(BaseModel):
     checkpoint: str = Field(description=CHECKPOINT)
     base: Optional[str] = Field(None, description=BASE)
     system: Optional[str] = Field(None, description="system message that opens the conversation")
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=CHAT_MAX_TOKENS))
+    sampling: ChatSampling = Field(default_factory=ChatSampling)
     engine: EngineOptions = Field(default_factory=EngineOptions)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _chat_max_tokens(cls, data):
-        # an answer in a chat is longer than the library's default length (16, vLLM's)
-        return default_max_tokens(data, CHAT_MAX_TOKENS)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 
-from astrai.config.infer import GenerateOptions, SamplingParams, sampling_with
+from astrai.config.infer import GenerateOptions, SamplingParams, sampling_with, with_checkpoint_defaults
 from astrai.errors import InputError, InvalidRequest
 from astrai.infer.generate_io import Item, ResultWriter, TextWriter, completion_record, open_output, read_records
 from astrai.text.template import resolve_template
@@ -60,12 +60,6 @@ def _items(options: GenerateOptions, stdin) -> list[Item]:
     return read_records(options.chat or options.input, options.chat is not None, options.sampling, stdin)
 
 
-def _base_sampling(options: GenerateOptions, checkpoint_defaults: dict) -> SamplingParams:
-    """The flags over the checkpoint's generation_config.json over the defaults."""
-    given = options.sampling.model_dump(include=options.sampling.model_fields_set)
-    return SamplingParams.model_validate({**options.sampling.model_dump(), **checkpoint_defaults, **given})
-
-
 def generate_main(options: GenerateOptions, out=None, err=None, stdin=None) -> int:
     from astrai.infer.engine import Engine
 
@@ -77,7 +71,7 @@ def generate_main(options: GenerateOptions, out=None, err=None, stdin=None) -> i
     sink = open_output(options.output) if options.output else None  # before the model is loaded
     try:
         engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
-        base = _base_sampling(options, engine.generation_defaults)
+        base = with_checkpoint_defaults(options.sampling, engine.generation_defaults)
         params = [sampling_with(base, it.sampling, it.where) for it in items]
         text_view = not sink and not options.as_json and (options.prompt is not None or _is_terminal(out))
         writer = TextWriter(out, len(items), echo=options.prompt is None) if text_view else \

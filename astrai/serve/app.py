@@ -6,42 +6,46 @@
     GET  /health                   {"status", "running", "waiting", "kv_tokens_total", "kv_tokens_free", "kv_tokens_cached"}
     GET  /metrics                  Prometheus text format
 
-A handler parses and checks the request (protocol.py: 400 with the field), renders and tokenizes the
-prompt in a worker thread (a long chat template never blocks the event loop), checks the context
-(prompt + max_tokens, both numbers named), then submits its choices to the engine loop (429 when
-`--max-queue` requests already wait) and reads their tokens back. A client that disconnects, or stops
-reading a stream for `--stall-timeout` seconds, cancels its request: its pages go back to the pool
-before the engine's next step. Any failure answers in OpenAI's error shape; none stops the server.
+Before a handler runs, the Guard middleware (guard.py) checks the Host header, the Content-Type of
+POST bodies and the body's size and arrival time. A handler then parses the body (protocol.py: 400
+with the field) and runs the checks of checks.py in order of cost: sizes and the number of choices
+before any tokenizing, the chat template and tokenizer in a worker thread, then the context (prompt
++ max_tokens, both numbers named) and the vocabulary. Each choice samples with the request's own
+values over the checkpoint's generation_config.json (as `astrai generate` and `astrai chat` do). The
+choices go to the engine loop (429 when `--max-queue` requests already wait) and their tokens come
+back. A client that disconnects, or stops reading a stream for `--stall-timeout` seconds, cancels its
+request: its pages go back to the pool before the engine's next step. Any failure answers in OpenAI's
+error shape; none stops the server. A response never carries NaN or Infinity: a logprob of -inf is
+written as -9999.0 (vLLM's convention); a NaN one means the model's output is broken and the request
+ends with a 500 saying so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import sys
 import time
-import traceback
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
-import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from astrai.serve.checks import Checks
+from astrai.serve.guard import Guard, HostRule
 from astrai.serve.loop import EngineLoop, Stream
+from astrai.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from astrai.serve.metrics import Metrics
 from astrai.serve.protocol import APIError, ChatRequest, CompletionRequest, parse, sampling_params
-from astrai.serve.responses import (DONE, ChunkWriter, TokenText, chat_logprobs, chat_response, completion_logprobs,
-                                    new_id, sse_error, text_response, usage)
-from astrai.text.template import TemplateRaised
+from astrai.serve.responses import (DONE, ChunkWriter, NotFinite, TokenText, chat_logprobs, chat_response,
+                                    completion_logprobs, new_id, sse_error, text_response, usage)
 
 SHUTTING_DOWN = "the server is shutting down: the request was cancelled"
-MAX_BODY = 32 * 2 ** 20  # bytes: far above any context's worth of JSON, far below what would hurt the server
 
 
 @dataclass
@@ -51,19 +55,10 @@ class ServeConfig:
     api_key: Optional[str] = None
     max_queue: int = 256
     stall_timeout: float = 30.0
-
-
-async def _body(request: Request) -> bytes:
-    """The request body, refused with 413 past MAX_BODY (read in pieces: a lying Content-Length cannot pass)."""
-    if int(request.headers.get("content-length") or 0) > MAX_BODY:
-        raise APIError(413, f"the body is larger than {MAX_BODY // 2 ** 20} MiB")
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise APIError(413, f"the body is larger than {MAX_BODY // 2 ** 20} MiB")
-        parts.append(chunk)
-    return b"".join(parts)
+    hosts: HostRule = field(default_factory=lambda: HostRule("127.0.0.1"))
+    max_body: int = 32 * 2 ** 20  # bytes
+    read_timeout: float = 30.0
+    max_prompt_chars: Optional[int] = None  # default: CHARS_PER_TOKEN x the context
 
 
 async def _disconnected(receive) -> None:
@@ -123,62 +118,12 @@ class Server:
         self.metrics = Metrics(config.model_name)
         self.loop = EngineLoop(engine, self.metrics)
         self.tt = TokenText(engine.tokenizer)
-        self.context = engine.scheduler.max_context
-        self.vocab = engine.model.config.vocab_size
-        self.capacity = engine.scheduler.max_running + config.max_queue
-
-    # ---- checks ----
-    def authorize(self, request: Request) -> None:
-        if self.cfg.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(given.encode(), self.cfg.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key "
-                                "the server was started with", code="invalid_api_key")
-
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.cfg.model_name and name not in self.cfg.aliases:
-            raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.cfg.model_name}`",
-                           param="model", code="model_not_found")
-
-    def max_tokens(self, n_prompt: int, asked: Optional[int], param: str, prompt_param: str) -> int:
-        if asked is None:  # as long as the context allows (vLLM's default)
-            if n_prompt >= self.context:
-                raise APIError(400, f"This model's maximum context length is {self.context} tokens, and the prompt "
-                                    f"has {n_prompt} tokens: shorten the prompt", param=prompt_param,
-                               code="context_length_exceeded")
-            return self.context - n_prompt
-        if asked >= 1 and n_prompt + asked > self.context:
-            raise APIError(400, f"This model's maximum context length is {self.context} tokens; the prompt has "
-                                f"{n_prompt} tokens and {param} is {asked} ({n_prompt + asked} in all): shorten the "
-                                f"prompt or lower {param}", param=param, code="context_length_exceeded")
-        if asked >= 1:
-            why = self.engine.scheduler.refusal(n_prompt, asked)  # the KV pool may be smaller than the context
-            if why is not None:
-                raise APIError(400, why, param=param, code="context_length_exceeded")
-        return asked
-
-    async def encode(self, prompt, param: str) -> list[int]:
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            bad = [t for t in prompt if not 0 <= t < self.vocab]
-            if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})", param=param)
-            ids = list(prompt)
-        else:
-            try:
-                ids = await asyncio.get_running_loop().run_in_executor(None, self.engine.encode, prompt)
-            except (TemplateRaised, jinja2.TemplateError, ValueError, TypeError) as e:
-                raise APIError(400, f"{param}: {e}", param=param) from None
-        if not ids:
-            raise APIError(400, "the prompt is empty", param=param)
-        return ids
+        self.checks = Checks(engine, config.model_name, config.aliases, config.api_key, config.max_queue,
+                             config.max_prompt_chars)
+        self.defaults = engine.generation_defaults  # the checkpoint's generation_config.json, under each request
 
     def submit(self, choices, end_of_turn: bool, streaming: bool, arrival: float) -> Stream:
-        if len(choices) > self.capacity:
-            raise APIError(400, f"{len(choices)} choices (n x prompts) exceed what the server takes at once "
-                                f"({self.capacity}: --max-running + --max-queue)", param="n")
-        if self.loop.in_flight + len(choices) > self.capacity:
+        if self.loop.in_flight + len(choices) > self.checks.capacity:
             waiting = max(self.loop.in_flight - self.engine.scheduler.max_running, 0)
             raise APIError(429, f"the server is busy: {waiting} request(s) already wait for a slot (--max-queue "
                                 f"{self.cfg.max_queue}); retry later", code="rate_limit_exceeded")
@@ -202,19 +147,33 @@ class Server:
             raise APIError(500, errors[0])
         return stream.results
 
+    async def _request(self, model: type, request: Request):
+        """The checked request body: key, JSON, fields, model id."""
+        self.checks.authorize(request.headers)
+        req = parse(model, await request.body())
+        self.checks.check_model(req.model)
+        return req
+
+    def _params(self, req, ids: list[int], max_tokens: int, logprobs: Optional[int], logprobs_param: str,
+                prompt_param: str, n: int) -> list:
+        params = [sampling_params(req, max_tokens, logprobs, logprobs_param, i, self.defaults) for i in range(n)]
+        self.checks.check_ids(ids, params[0], prompt_param, logprobs_param)
+        return params
+
     # ---- routes ----
     async def chat(self, request: Request):
         arrival = time.perf_counter()
-        self.authorize(request)
-        req = parse(ChatRequest, await _body(request))
-        self.check_model(req.model)
-        ids = await self.encode(req.conversation(), "messages")
+        req = await self._request(ChatRequest, request)
+        conversation = req.conversation()
+        self.checks.check_size(conversation, "messages")
+        self.checks.check_batch(req.n)
+        ids = await self.checks.encode(conversation, "messages")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self.max_tokens(len(ids), asked, param, "messages")
+        max_tokens = self.checks.max_tokens(len(ids), asked, param, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        choices = [(ids, sampling_params(req, max_tokens, k, "top_logprobs", i)) for i in range(req.n)]
-        stream = self.submit(choices, True, bool(req.stream), arrival)
+        params = self._params(req, ids, max_tokens, k, "top_logprobs", "messages", req.n)
+        stream = self.submit([(ids, p) for p in params], True, bool(req.stream), arrival)
         rid, model = new_id("chatcmpl"), req.model or self.cfg.model_name
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
@@ -223,18 +182,21 @@ class Server:
         done = await self.collect(stream, request)
         if done is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        return JSONResponse(chat_response(rid, model, done, bool(req.logprobs), self.tt))
+        return JSONResponse(_finite(chat_response, rid, model, done, bool(req.logprobs), self.tt))
 
     async def completions(self, request: Request):
         arrival = time.perf_counter()
-        self.authorize(request)
-        req = parse(CompletionRequest, await _body(request))
-        self.check_model(req.model)
-        prompts = [await self.encode(p, "prompt") for p in req.prompts()]
+        req = await self._request(CompletionRequest, request)
+        prompts = req.prompts()
+        for p in prompts:
+            self.checks.check_size(p, "prompt")
+        self.checks.check_batch(len(prompts) * req.n)
+        prompts = [await self.checks.encode(p, "prompt") for p in prompts]
         choices = []
         for ids in prompts:
-            max_tokens = self.max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
-            choices += [(ids, sampling_params(req, max_tokens, req.logprobs, "logprobs", i)) for i in range(req.n)]
+            max_tokens = self.checks.max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
+            params = self._params(req, ids, max_tokens, req.logprobs, "logprobs", "prompt", req.n)
+            choices += [(ids, p) for p in params]
         stream = self.submit(choices, False, bool(req.stream), arrival)
         rid, model = new_id("cmpl"), req.model or self.cfg.model_name
         lens, want_lp = [len(p) for p in prompts], req.logprobs is not None
@@ -245,7 +207,7 @@ class Server:
         done = await self.collect(stream, request)
         if done is None:
             return Response(status_code=499)
-        return JSONResponse(text_response(rid, model, done, want_lp, self.tt, lens, req.n))
+        return JSONResponse(_finite(text_response, rid, model, done, want_lp, self.tt, lens, req.n))
 
     async def _chunks(self, stream: Stream, w: ChunkWriter, include_usage: bool, want_lp: bool,
                       prompt_lens: list[int], n: Optional[int] = None) -> AsyncIterator[bytes]:
@@ -262,12 +224,17 @@ class Server:
             for ev in events:
                 if ev.finish_reason == "error":
                     self.loop.cancel(stream)
-                    yield sse_error(APIError(500, ev.completion).body()) + DONE
+                    yield b"".join(out) + sse_error(APIError(500, ev.completion).body()) + DONE
                     return
                 lp = None
                 if want_lp and ev.logprob is not None:
-                    lp = (chat_logprobs([ev.logprob], self.tt) if w.chat
-                          else completion_logprobs([ev.logprob], self.tt, offsets[ev.index]))
+                    try:
+                        lp = (chat_logprobs([ev.logprob], self.tt) if w.chat
+                              else completion_logprobs([ev.logprob], self.tt, offsets[ev.index]))
+                    except NotFinite as e:
+                        self.loop.cancel(stream)
+                        yield b"".join(out) + sse_error(_not_finite(e).body()) + DONE
+                        return
                 if ev.text or lp is not None:
                     out.append(w.text(ev.index, ev.text, lp))
                     offsets[ev.index] += len(ev.text)
@@ -280,10 +247,10 @@ class Server:
         yield DONE
 
     async def models(self, request: Request):
-        self.authorize(request)
+        self.checks.authorize(request.headers)
         return JSONResponse({"object": "list", "data": [
             {"id": self.cfg.model_name, "object": "model", "created": int(time.time()), "owned_by": "astrai",
-             "max_model_len": self.context}]})
+             "max_model_len": self.checks.context}]})
 
     async def health(self, request: Request):
         s = await self.loop.snapshot()
@@ -292,11 +259,19 @@ class Server:
 
     async def prometheus(self, request: Request):
         snap = await self.loop.snapshot()
-        return PlainTextResponse(self.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.metrics.render(snap), media_type=METRICS_CONTENT_TYPE)
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _not_finite(e: Exception) -> APIError:
+    return APIError(500, str(e), code="model_output_not_finite")
+
+
+def _finite(build, *args) -> dict:
+    """A response body, or a 500 saying the model's output is not a number (never NaN in the JSON)."""
+    try:
+        return build(*args)
+    except NotFinite as e:
+        raise _not_finite(e) from None
 
 
 def build_app(engine, config: ServeConfig) -> Starlette:
@@ -311,23 +286,20 @@ def build_app(engine, config: ServeConfig) -> Starlette:
             server.loop.stop()
 
     async def api_error(request, exc: APIError):
-        return _error_response(exc)
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     async def http_error(request, exc: HTTPException):
         what = "no route" if exc.status_code == 404 else exc.detail
-        return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {what}",
-                                        code="not_found" if exc.status_code == 404 else None))
-
-    async def unexpected(request, exc: Exception):
-        traceback.print_exception(exc, file=sys.stderr)
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path}: {what}",
+                                                 code="not_found" if exc.status_code == 404 else None))
 
     routes = [Route("/v1/chat/completions", server.chat, methods=["POST"]),
               Route("/v1/completions", server.completions, methods=["POST"]),
               Route("/v1/models", server.models, methods=["GET"]),
               Route("/health", server.health, methods=["GET"]),
               Route("/metrics", server.prometheus, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected})
+    guard = Middleware(Guard, hosts=config.hosts, max_body=config.max_body, read_timeout=config.read_timeout)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[guard],
+                    exception_handlers={APIError: api_error, HTTPException: http_error})
     app.state.server = server
     return app

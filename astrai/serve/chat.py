@@ -7,12 +7,15 @@ on why an answer stopped) to stderr, so `astrai chat CKPT < questions.txt > answ
 Commands: /reset forgets the history, /exit (or Ctrl-D) quits; Ctrl-C stops the answer being
 generated (what was said so far stays in the history) and Ctrl-C at the prompt quits.
 Turns share their prefix with the previous one, so the radix cache computes each turn's new text only.
+Sampling: the flags over the checkpoint's generation_config.json over the defaults, as `astrai
+generate` and `astrai serve` resolve it (astrai.config.infer.with_checkpoint_defaults).
 """
 
 from __future__ import annotations
 
 import sys
 
+from astrai.config.infer import checkpoint_sampling_note, with_checkpoint_defaults
 from astrai.config.serve import ChatOptions
 
 HELP = "astrai chat: type a message and Enter; /reset forgets the history, /exit or Ctrl-D quits"
@@ -37,12 +40,16 @@ def chat_main(options: ChatOptions, inp=None, out=None, err=None) -> int:
         print("error: this checkpoint has no chat template (tokenizer_config.json or chat_template.jinja); "
               "give one with --chat-template chatml (or a .jinja path)", file=err)
         return 1
+    sampling = with_checkpoint_defaults(options.sampling, engine.generation_defaults)
     interactive = inp is sys.stdin and sys.stdin.isatty() and out is sys.stdout and sys.stdout.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
     opening = [{"role": "system", "content": options.system}] if options.system else []
     history = list(opening)
     print(HELP, file=err, flush=True)
+    note = checkpoint_sampling_note(engine.generation_defaults)
+    if note:
+        print(f"[{note}]", file=err, flush=True)
     while True:
         try:
             line = _read(inp, err, interactive)
@@ -58,15 +65,15 @@ def chat_main(options: ChatOptions, inp=None, out=None, err=None) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        answer = _answer(engine, history, options, out, err)
+        answer = _answer(engine, history, sampling, out, err)
         history.append({"role": "assistant", "content": answer})
     return 0
 
 
-def _answer(engine, history: list[dict], options: ChatOptions, out, err) -> str:
+def _answer(engine, history: list[dict], sampling, out, err) -> str:
     parts, done = [], None
     try:
-        for ev in engine.stream([history], options.sampling):
+        for ev in engine.stream([history], sampling):
             out.write(ev.text)
             out.flush()
             parts.append(ev.text)
@@ -76,6 +83,6 @@ def _answer(engine, history: list[dict], options: ChatOptions, out, err) -> str:
     out.write("\n")
     out.flush()
     if done is not None and done.finish_reason == "length":
-        print(f"[the answer reached max_tokens ({options.sampling.max_tokens}); --max-tokens gives more]",
+        print(f"[the answer reached max_tokens ({sampling.max_tokens}); --max-tokens gives more]",
               file=err, flush=True)
     return "".join(parts)

@@ -1,4 +1,4 @@
-"""Server metrics in the Prometheus text exposition format (version 0.0.4), written here: no client library.
+"""Server metrics for Prometheus, kept by prometheus_client in the server's own registry (not the process-wide one).
 
 Counted on the event loop as tokens are handed to their requests (what a client sees):
   astrai_requests_total{finish_reason}      engine requests (choices) ended: stop, length, abort (client
@@ -6,7 +6,7 @@ Counted on the event loop as tokens are handed to their requests (what a client 
   astrai_prompt_tokens_total, astrai_generation_tokens_total, astrai_cached_prompt_tokens_total
   astrai_time_to_first_token_seconds        histogram: HTTP request arrival -> its first token handed over
   astrai_inter_token_latency_seconds        histogram: between two tokens of one choice
-Read from the engine at scrape time (a snapshot taken on the engine thread):
+Read from the engine at scrape time (a snapshot taken on the engine thread, handed to `render`):
   astrai_requests_running, astrai_requests_waiting, astrai_kv_tokens_{total,free,cached},
   astrai_kv_usage_ratio (share of the pool held by live requests), astrai_prefix_cache_{queried,hit}_tokens_total
   and astrai_prefix_cache_hit_rate, astrai_preemptions_total.
@@ -14,98 +14,83 @@ Read from the engine at scrape time (a snapshot taken on the engine thread):
 
 from __future__ import annotations
 
-import bisect
-import math
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-def _num(v: float) -> str:
-    if isinstance(v, int):
-        return str(v)
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
+class _EngineSnapshot:
+    """A collector of the engine's counters and gauges as they were at the last snapshot."""
 
+    def __init__(self):
+        self.snap: dict = {}
 
-class Histogram:
-    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help_, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one: above every bound (+Inf)
-        self.sum = 0.0
-        self.count = 0
+    def collect(self):
+        s = self.snap
+        if not s:
+            return
 
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, v)] += 1
-        self.sum += v
-        self.count += 1
+        def gauge(name, help_, value):
+            return GaugeMetricFamily(name, help_, value=value)
 
-    def lines(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        total = 0
-        for bound, n in zip(self.buckets + (math.inf,), self.counts):
-            total += n
-            out.append(f'{self.name}_bucket{{le="{_num(bound) if math.isinf(bound) else repr(float(bound))}"}} {total}')
-        out += [f"{self.name}_sum {_num(self.sum)}", f"{self.name}_count {self.count}"]
-        return out
+        def counter(name, help_, value):
+            return CounterMetricFamily(name, help_, value=value)
+
+        total, free, cached = s["kv_tokens_total"], s["kv_tokens_free"], s["kv_tokens_cached"]
+        queried, hit = s["prefix_cache_queried_tokens"], s["prefix_cache_hit_tokens"]
+        yield gauge("astrai_requests_running", "Engine requests decoding or prefilling.", s["running"])
+        yield gauge("astrai_requests_waiting", "Engine requests queued for a running slot.", s["waiting"])
+        yield gauge("astrai_kv_tokens_total", "Token slots in the KV pool.", total)
+        yield gauge("astrai_kv_tokens_free", "Free token slots.", free)
+        yield gauge("astrai_kv_tokens_cached", "Token slots held only by the prefix cache (reclaimable).", cached)
+        yield gauge("astrai_kv_usage_ratio", "Share of the KV pool held by live requests.",
+                    (total - free - cached) / total if total else 0.0)
+        yield counter("astrai_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache at admission.",
+                      queried)
+        yield counter("astrai_prefix_cache_hit_tokens", "Of those, tokens found in the prefix cache.", hit)
+        yield gauge("astrai_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens.",
+                    hit / queried if queried else 0.0)
+        yield counter("astrai_preemptions", "Requests preempted for memory (recomputed later).", s["preemptions"])
 
 
 class Metrics:
     def __init__(self, model_name: str):
         self.model = model_name
-        self.finish = dict.fromkeys(FINISH_REASONS, 0)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cached_tokens = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("astrai_requests", "Choices (engine requests) ended, by finish reason.",
+                                ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:  # every reason present from the start, at 0
+            self.requests.labels(reason)
+        self.prompt_tokens = Counter("astrai_prompt_tokens", "Prompt tokens of finished choices.", registry=r)
+        self.generation_tokens = Counter("astrai_generation_tokens", "Tokens generated by finished choices.",
+                                         registry=r)
+        self.cached_tokens = Counter("astrai_cached_prompt_tokens",
+                                     "Prompt tokens of finished choices whose K/V came from the prefix cache.",
+                                     registry=r)
         self.ttft = Histogram("astrai_time_to_first_token_seconds",
-                              "Seconds from an HTTP request's arrival to the first token of a choice.", TTFT_BUCKETS)
+                              "Seconds from an HTTP request's arrival to the first token of a choice.",
+                              buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("astrai_inter_token_latency_seconds",
-                             "Seconds between two consecutive tokens of one choice.", ITL_BUCKETS)
+                             "Seconds between two consecutive tokens of one choice.", buckets=ITL_BUCKETS, registry=r)
+        self.engine = _EngineSnapshot()
+        r.register(self.engine)
 
     def token(self, seconds: float, first: bool) -> None:
         (self.ttft if first else self.itl).observe(seconds)
 
     def finished(self, reason: str, n: int = 1, completion=None) -> None:
-        self.finish[reason] = self.finish.get(reason, 0) + n
+        self.requests.labels(reason).inc(n)
         if completion is not None:
-            self.prompt_tokens += len(completion.prompt_token_ids)
-            self.generation_tokens += len(completion.token_ids)
-            self.cached_tokens += min(completion.cached_tokens, len(completion.prompt_token_ids))
+            self.prompt_tokens.inc(len(completion.prompt_token_ids))
+            self.generation_tokens.inc(len(completion.token_ids))
+            self.cached_tokens.inc(min(completion.cached_tokens, len(completion.prompt_token_ids)))
 
-    def render(self, snap: dict) -> str:
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(f"{name}{labels} {_num(v)}" for labels, v in samples)
-
-        metric("astrai_requests_total", "counter", "Choices (engine requests) ended, by finish reason.",
-               [(f'{{finish_reason="{r}"}}', n) for r, n in self.finish.items()])
-        metric("astrai_prompt_tokens_total", "counter", "Prompt tokens of finished choices.", [("", self.prompt_tokens)])
-        metric("astrai_generation_tokens_total", "counter", "Tokens generated by finished choices.",
-               [("", self.generation_tokens)])
-        metric("astrai_cached_prompt_tokens_total", "counter",
-               "Prompt tokens of finished choices whose K/V came from the prefix cache.", [("", self.cached_tokens)])
-        out += self.ttft.lines() + self.itl.lines()
-        metric("astrai_requests_running", "gauge", "Engine requests decoding or prefilling.", [("", snap["running"])])
-        metric("astrai_requests_waiting", "gauge", "Engine requests queued for a running slot.", [("", snap["waiting"])])
-        total, free, cached = snap["kv_tokens_total"], snap["kv_tokens_free"], snap["kv_tokens_cached"]
-        metric("astrai_kv_tokens_total", "gauge", "Token slots in the KV pool.", [("", total)])
-        metric("astrai_kv_tokens_free", "gauge", "Free token slots.", [("", free)])
-        metric("astrai_kv_tokens_cached", "gauge", "Token slots held only by the prefix cache (reclaimable).",
-               [("", cached)])
-        metric("astrai_kv_usage_ratio", "gauge", "Share of the KV pool held by live requests.",
-               [("", (total - free - cached) / total if total else 0.0)])
-        queried, hit = snap["prefix_cache_queried_tokens"], snap["prefix_cache_hit_tokens"]
-        metric("astrai_prefix_cache_queried_tokens_total", "counter", "Tokens looked up in the prefix cache at admission.",
-               [("", queried)])
-        metric("astrai_prefix_cache_hit_tokens_total", "counter", "Of those, tokens found in the prefix cache.",
-               [("", hit)])
-        metric("astrai_prefix_cache_hit_rate", "gauge", "Prefix cache hit tokens / queried tokens.",
-               [("", hit / queried if queried else 0.0)])
-        metric("astrai_preemptions_total", "counter", "Requests preempted for memory (recomputed later).",
-               [("", snap["preemptions"])])
-        return "\n".join(out) + "\n"
+    def render(self, snap: dict) -> bytes:
+        """The text exposition, with the engine's figures from `snap` (EngineLoop.snapshot)."""
+        self.engine.snap = snap
+        return generate_latest(self.registry)

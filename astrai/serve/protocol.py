@@ -8,7 +8,8 @@ logit_bias, no tools, echo false, ...). Sampling values are checked by the engin
 SamplingParams model (astrai.config.infer), the one `astrai generate` uses: one set of rules.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the status codes
-clients expect: 400 bad request, 401 API key, 404 unknown model or route, 429 queue full.
+clients expect: 400 bad request, 401 API key, 404 unknown model or route, 408 body too slow, 413 body
+too large, 415 not JSON, 421 Host not this server, 429 queue full.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from astrai.config.infer import SamplingParams
+from astrai.config.infer import SamplingParams, with_checkpoint_defaults
 
 MAX_N = 128
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs)
@@ -131,10 +132,13 @@ class ChatRequest(_Common):
             d["role"] = "system" if m.role == "developer" else m.role
             if isinstance(m.content, list):
                 parts = []
-                for part in m.content:
-                    if part.type != "text" or part.text is None:
+                for j, part in enumerate(m.content):
+                    if part.type != "text":
                         raise APIError(400, f"messages[{i}].content: only text parts are supported, got "
                                             f"{part.type!r}", param="messages")
+                    if part.text is None:
+                        raise APIError(400, f"messages[{i}].content[{j}]: a text part needs its text",
+                                       param="messages")
                     parts.append(part.text)
                 d["content"] = "".join(parts)
             elif m.content is None:
@@ -188,8 +192,9 @@ def parse(model: type[BaseModel], body: bytes):
 
 
 def sampling_params(req: _Common, max_tokens: int, logprobs: Optional[int], logprobs_param: str,
-                    seed_offset: int = 0) -> SamplingParams:
-    """The engine's SamplingParams for one choice; its own checks (the generate CLI's) give the 400s."""
+                    seed_offset: int = 0, checkpoint: Optional[dict] = None) -> SamplingParams:
+    """The engine's SamplingParams for one choice: the request's own values over the checkpoint's
+    generation_config.json (`checkpoint`) over the defaults; the engine's checks (the generate CLI's) give the 400s."""
     given = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "min_p": req.min_p,
              "repetition_penalty": req.repetition_penalty, "logprobs": logprobs,
              "top_k": 0 if req.top_k == -1 else req.top_k,  # vLLM's -1 = off
@@ -197,7 +202,8 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: Optional[int], logp
              "stop": [req.stop] if isinstance(req.stop, str) else req.stop, "stop_token_ids": req.stop_token_ids,
              "ignore_eos": req.ignore_eos}
     try:
-        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+        return with_checkpoint_defaults(SamplingParams(**{k: v for k, v in given.items() if v is not None}),
+                                        checkpoint or {})
     except ValidationError as e:
         err = e.errors()[0]
         msg = err["msg"].removeprefix("Value error, ")

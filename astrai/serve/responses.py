@@ -6,6 +6,10 @@ the finish_reason; with `stream_options.include_usage` every chunk carries `"usa
 last chunk has no choices and the usage; then `data: [DONE]`. Text completions stream `text` pieces
 the same way. A piece never ends inside a multi-byte character (the engine's detokenizer holds it back).
 
+No float in a response is NaN or Infinity (strict JSON parsers refuse them): a logprob of -inf (a
+token the model gives no chance) is written as LOGPROB_FLOOR, as vLLM writes it; a NaN or +inf
+logprob can only come from a broken model and raises NotFinite, which the server answers as an error.
+
 Chunks are the hot path of a busy server (one per token per client), so they are written from
 pre-serialised fragments around json.dumps of the new text rather than by serialising a dict.
 """
@@ -13,12 +17,25 @@ pre-serialised fragments around json.dumps of the new text rather than by serial
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from functools import lru_cache
 from typing import Optional
 
 DONE = b"data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0
+
+
+class NotFinite(ValueError):
+    """The model's output holds NaN or +inf: its weights (or an adapter's) make non-finite logits."""
+
+
+def _logprob(v: float) -> float:
+    if math.isnan(v) or v == math.inf:
+        raise NotFinite(f"the model's output is not a number (a logprob of {v}): its weights, or an adapter's, "
+                        f"make non-finite logits; check the checkpoint")
+    return max(v, LOGPROB_FLOOR)
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -36,6 +53,10 @@ def _bytes_to_unicode() -> dict[str, int]:
 
 
 _BYTE_OF = _bytes_to_unicode()
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, allow_nan=False)
 
 
 class TokenText:
@@ -76,7 +97,7 @@ def usage(completions, prompt_lens: list[int], n: int) -> dict:
 
 def chat_logprobs(lps, tt: TokenText) -> dict:
     def entry(tid, lp):
-        return {"token": tt.text(tid), "logprob": lp, "bytes": tt.bytes(tid)}
+        return {"token": tt.text(tid), "logprob": _logprob(lp), "bytes": tt.bytes(tid)}
 
     return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
                         for x in lps]}
@@ -89,8 +110,8 @@ def completion_logprobs(lps, tt: TokenText, offset: int = 0) -> dict:
         tokens.append(s)
         offsets.append(at)
         at += len(s)
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{tt.text(t): v for t, v in x.top} for x in lps], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [_logprob(x.logprob) for x in lps],
+            "top_logprobs": [{tt.text(t): _logprob(v) for t, v in x.top} for x in lps], "text_offset": offsets}
 
 
 def chat_response(rid: str, model: str, completions, logprobs: bool, tt: TokenText) -> dict:
@@ -116,12 +137,12 @@ class ChunkWriter:
     def __init__(self, rid: str, model: str, chat: bool, include_usage: bool):
         self.chat = chat
         obj = "chat.completion.chunk" if chat else "text_completion"
-        self.head = (f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{int(time.time())},'
-                     f'"model":{json.dumps(model)},"choices":[')
+        self.head = (f'data: {{"id":{_dumps(rid)},"object":"{obj}","created":{int(time.time())},'
+                     f'"model":{_dumps(model)},"choices":[')
         self.tail = ']' + (',"usage":null' if include_usage else '') + '}\n\n'
 
     def _choice(self, index: int, body: str, logprobs: Optional[dict], finish: Optional[str]) -> str:
-        lp = json.dumps(logprobs) if logprobs is not None else "null"
+        lp = _dumps(logprobs) if logprobs is not None else "null"
         fr = f'"{finish}"' if finish is not None else "null"
         return f'{{"index":{index},{body},"logprobs":{lp},"finish_reason":{fr}}}'
 
@@ -130,7 +151,7 @@ class ChunkWriter:
                 + self.tail).encode()
 
     def text(self, index: int, text: str, logprobs: Optional[dict] = None) -> bytes:
-        body = f'"delta":{{"content":{json.dumps(text)}}}' if self.chat else f'"text":{json.dumps(text)}'
+        body = f'"delta":{{"content":{_dumps(text)}}}' if self.chat else f'"text":{_dumps(text)}'
         return (self.head + self._choice(index, body, logprobs, None) + self.tail).encode()
 
     def finish(self, index: int, reason: str) -> bytes:
@@ -138,8 +159,8 @@ class ChunkWriter:
         return (self.head + self._choice(index, body, None, reason) + self.tail).encode()
 
     def usage(self, usage_: dict) -> bytes:
-        return (self.head + '],"usage":' + json.dumps(usage_) + '}\n\n').encode()
+        return (self.head + '],"usage":' + _dumps(usage_) + '}\n\n').encode()
 
 
 def sse_error(err: dict) -> bytes:
-    return b"data: " + json.dumps(err).encode() + b"\n\n"
+    return b"data: " + _dumps(err).encode() + b"\n\n"

@@ -87,7 +87,7 @@ def encode_prompt(prompt: Prompt, tokenizer: Optional[Tokenizer], template: Opti
         if tokenizer is None:
             raise InvalidRequest("a text prompt needs a tokenizer (the checkpoint has no tokenizer.json); pass token "
                                  "ids instead")
-        return tokenizer.tok.encode(prompt).ids
+        return _encode(tokenizer, prompt, True)
     if is_chat(prompt):
         if tokenizer is None or template is None:
             raise InvalidRequest("a chat conversation needs a tokenizer and a chat template (the tokenizer has none: "
@@ -102,8 +102,14 @@ def encode_prompt(prompt: Prompt, tokenizer: Optional[Tokenizer], template: Opti
         except Exception as e:  # jinja2 errors, and Python errors of the template's code (a missing key ...)
             raise InvalidRequest(f"the chat template {template.name} failed on this conversation: "
                                  f"{type(e).__name__}: {e}") from None
-        return tokenizer.tok.encode(text, add_special_tokens=False).ids
+        return _encode(tokenizer, text, False)
     return [int(t) for t in prompt]
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch releases the GIL while it works (encode holds it: a long prompt tokenized in a server's
+    # worker thread would stop its event loop); the ids are the same
+    return tokenizer.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def end_of_turn_id(tokenizer: Tokenizer, template: ChatTemplate) -> Optional[int]:

@@ -18,10 +18,16 @@ READY = re.compile(r"on (http://[^ ]+)/v1 ")
 
 
 class ServerProcess:
-    def __init__(self, checkpoint, *args, env=None):
+    def __init__(self, checkpoint, *args, env=None, nofile=None):
+        """nofile: the server's open-file limit (ulimit -n), soft and hard."""
         cmd = [sys.executable, "-m", "astrai.cli", "serve", str(checkpoint), "--port", "0", "--device", "cpu", *args]
+
+        def limit():
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, preexec_fn=limit if nofile else None)
         self.lines: list[str] = []
         self.stderr: list[str] = []
         self.url = None
@@ -55,14 +61,20 @@ class ServerProcess:
             return r.read().decode()
 
     def post(self, path: str, body, headers=None) -> tuple[int, dict]:
+        """The status and the JSON body, parsed strictly (NaN or Infinity is an error, as in strict clients)."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="POST",
                                      headers={"content-type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
+                return r.status, strict_json(r.read())
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, strict_json(e.read())
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return host, int(port)
 
     def idle_health(self, timeout: float = 10.0) -> dict:
         """/health once no request is in flight (a cancellation reaches the engine within a step)."""
@@ -81,6 +93,15 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(data):
+    """json.loads that refuses NaN, Infinity and -Infinity (Python's accepts them; JSON has no such numbers)."""
+    return json.loads(data, parse_constant=_no_constant)
 
 
 def assert_error(status, body, want_status, param, words):

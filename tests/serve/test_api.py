@@ -76,7 +76,8 @@ def test_streamed_chunks_join_to_the_whole_answer(server, client, serve_checkpoi
 def test_sse_framing_as_openai_sends_it(server):
     body = json.dumps({"messages": CHATS[0], "max_tokens": 4, "temperature": 0, "stream": True,
                        "ignore_eos": True}).encode()
-    req = urllib.request.Request(server.base + "/chat/completions", data=body, method="POST")
+    req = urllib.request.Request(server.base + "/chat/completions", data=body, method="POST",
+                                 headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()

@@ -1,5 +1,5 @@
-"""/health and /metrics: the exposition read back by prometheus_client's own parser (an independent reader),
-and counters that move exactly as much as the requests sent say they should."""
+"""/health and /metrics: the exposition read back by prometheus_client's text parser, and counters that move
+exactly as much as the requests sent (and their usage, as the client received it) say they should."""
 
 import pytest
 

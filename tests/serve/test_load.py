@@ -106,7 +106,7 @@ def test_a_client_that_stops_reading_is_cancelled(stall_server):
     # 4 choices x 2000 tokens x ~2.5 kB of logprobs per chunk: far more than the socket buffers hold (~4 MB)
     body = (b'{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2000, "ignore_eos": true, '
             b'"stream": true, "n": 4, "logprobs": true, "top_logprobs": 20}')
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
     sock.recv(100)  # the stream started
     t0 = time.monotonic()
