@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 from astrai.config import STAGE_OUTPUT as OUTPUT
-from astrai.runtime import atomic_write_text, claim_output, flock_holder, is_ours
+from astrai.runtime import atomic_write_text, claim_output, flock_holder, fsync_dir, is_ours
 
 STATE = "stage.json"
 LOG = "log.txt"
@@ -66,14 +66,6 @@ def read_json(path: Path) -> Optional[dict]:
     except (json.JSONDecodeError, UnicodeDecodeError):  # only a hand-edited file can be half-written
         return None
     return data if isinstance(data, dict) else None
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -146,7 +138,7 @@ class StageDir:
         if self.output.exists():
             os.replace(self.output, aside)
         os.replace(self.next, self.output)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def drop_replaced(self) -> None:
         shutil.rmtree(self.root / ASIDE, ignore_errors=True)
@@ -165,7 +157,7 @@ class StageDir:
             shutil.rmtree(self.next, ignore_errors=True)
             os.replace(self.output, self.next)
             os.replace(aside, self.output)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
 
 class RunDir:

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from astrai.model.adapter_files import read_weights, save_weights
+from astrai.runtime import fsync_dir
 from astrai.train.distributed import Dist, barrier, load_full_state, parameter_names
 from astrai.train.state_files import (CheckpointError, pickle_files, read_optimizer, read_rng, read_scheduler,
                                       rng_files, write_optimizer, write_rng, write_scheduler)
@@ -49,14 +50,6 @@ LEGACY = ("optimizer.pt", "scheduler.pt", "rng.pt")
 
 def _name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(path: Path):
