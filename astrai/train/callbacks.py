@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from astrai.runtime import open_nofollow
+
 
 class Callback:
     def on_train_begin(self, trainer): ...
@@ -108,7 +110,7 @@ class Metrics(Callback):
         trainer.state.history.append(rec)
         if trainer.dist.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as fh:
+            with open_nofollow(self.path, "a") as fh:  # a link planted at its name is refused, not followed
                 fh.write(json.dumps(rec) + "\n")
             for sink in self.sinks:
                 sink.write(rec)
@@ -190,7 +192,7 @@ class ProgressBar(Callback):
 def drop_cut_line(path: Path):
     """A record cut by a kill (the file does not end in a newline) is removed before more are appended
     after it, so every line of the file stays one whole record."""
-    with open(path, "rb+") as fh:
+    with open_nofollow(path, "r+b") as fh:
         data = fh.read()
         if data and not data.endswith(b"\n"):
             fh.truncate(data.rfind(b"\n") + 1)

@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.errors import InputError
+from astrai.runtime import atomic_write_text, fresh_tmp, fsync_replace
 
 OPTIMIZER_TENSORS, OPTIMIZER_JSON, SCHEDULER_JSON = "optimizer.safetensors", "optimizer.json", "scheduler.json"
 FORMAT = 1
@@ -50,7 +51,13 @@ def pickle_files(directory: Path) -> list[str]:
 
 
 def _dump_json(path: Path, data: dict):
-    path.write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=True) + "\n", encoding="utf-8")
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True, allow_nan=True) + "\n")
+
+
+def _save_tensors(path: Path, tensors: dict, metadata: dict):
+    tmp = fresh_tmp(path)  # never through a link at the name (legacy conversion writes into an existing dir)
+    save_file(tensors, str(tmp), metadata=metadata)
+    fsync_replace(tmp, path)
 
 
 def _regular(path: Path):
@@ -130,7 +137,7 @@ def write_optimizer(directory: Path, state: dict):
             else:
                 values.setdefault(name, {})[field] = _plain(v, f"optimizer state {name}.{field}")
     groups = [{k: _plain(v, f"param_groups[{i}].{k}") for k, v in g.items()} for i, g in enumerate(state["param_groups"])]
-    save_file(tensors, str(Path(directory) / OPTIMIZER_TENSORS), metadata={"format": "astrai-optimizer"})
+    _save_tensors(Path(directory) / OPTIMIZER_TENSORS, tensors, {"format": "astrai-optimizer"})
     _dump_json(Path(directory) / OPTIMIZER_JSON, {"format": FORMAT, "param_groups": groups, "values": values})
 
 
@@ -229,7 +236,7 @@ def write_rng(directory: Path, rank: int, state: dict | None = None):
     cuda = list(state.get("cuda") or [])
     for i, s in enumerate(cuda):
         tensors[f"cuda.{i}"] = s
-    save_file(tensors, str(Path(directory) / tensors_name), metadata={"format": "astrai-rng"})
+    _save_tensors(Path(directory) / tensors_name, tensors, {"format": "astrai-rng"})
     _dump_json(Path(directory) / json_name, {
         "format": FORMAT, "python": {"version": version, "state": list(words), "gauss": gauss},
         "numpy": {"algorithm": algorithm, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
