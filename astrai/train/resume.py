@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -39,13 +38,12 @@ import torch
 from astrai.model.adapter_files import read_weights, save_weights
 from astrai.runtime import fsync_dir, open_nofollow, refuse_link
 from astrai.train.output import clear_tmp, foreign, only_ours, remove_ours
+from astrai.train.resume_checks import STATE, STEP_NAME as _STEP, check_counters
 from astrai.train.distributed import Dist, barrier, load_full_state, parameter_names
 from astrai.train.state_files import (CheckpointError, pickle_files, read_optimizer, read_rng, read_scheduler,
                                       rng_files, write_optimizer, write_rng, write_scheduler)
 
-STATE = "trainer_state.json"
 FORMAT = 2  # 1: the torch.save (pickle) files of older astrai
-_STEP = re.compile(r"\.?step-(\d{8})(\.replaced)?")
 _INTS = ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step")
 LEGACY = ("optimizer.pt", "scheduler.pt", "rng.pt")
 
@@ -231,13 +229,19 @@ def changed_options(saved: dict, now: dict) -> list[str]:
     return out
 
 
-def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None) -> dict:
+def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None, order=None) -> dict:
     """Restore model weights (in place: the optimizer keeps its parameters; into the shards of an
-    fsdp model), optimizer, scheduler and this rank's generators. Every rank reads the full files."""
+    fsdp model), optimizer, scheduler and this rank's generators. Every rank reads the full files.
+    Every counter is checked first (check_counters, against `order`: this run's resume_checks.DataOrder),
+    the optimizer and scheduler state by their readers; the hyperparameters then follow the options
+    (follow_options)."""
     d = dist or Dist()
     path = Path(path)
     refuse_pickles(path)
     saved = read_state(path)
+    check_counters(path, saved, d.world, order, d.is_main)
+    steps = saved["global_step"] - saved.get("skipped_nonfinite", 0)  # the optimizer steps taken
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         sd, complete = read_weights(path, model)  # the whole model, or a LoRA run's adapters
     except Exception as e:  # a truncated or foreign model file: one line, whatever safetensors raised
@@ -253,12 +257,23 @@ def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None) -
     names = parameter_names(model)
     live = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    optim_sd = read_optimizer(path, live, shapes)
+    optim_sd = read_optimizer(path, live, shapes, steps)
     load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()}, optim_sd, strict=complete)
-    read_scheduler(path, scheduler)
+    read_scheduler(path, scheduler, steps)
+    follow_options(optimizer, scheduler, fresh)
     if all((path / n).exists() for n in rng_files(d.rank)):
         read_rng(path, d.rank)
-    elif saved.get("world", 1) == d.world:
-        raise CheckpointError(f"{path}: no generator state for rank {d.rank} ({rng_files(d.rank)[1]})")
-    # else: another world size than the run that saved it; the generators keep this run's seeding
+    # else: a rank the saving run did not have (check_counters allowed it and said so): this run's seeding
     return saved
+
+
+def follow_options(optimizer, scheduler, fresh: list[dict]):
+    """The hyperparameters of this run's options (`fresh`: the param groups as built from them) over
+    the saved ones, and the learning rate the options' schedule gives at the restored step: a resume
+    with unchanged options gets the saved values exactly, one with a lowered lr continues on it."""
+    for g, f in zip(optimizer.param_groups, fresh):
+        g.update({k: v for k, v in f.items() if k != "lr"})
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for g, lam, base in zip(optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs):
+        g["lr"] = base * lam(scheduler.last_epoch)  # as LambdaLR computes it
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

@@ -55,6 +55,7 @@ from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_
 from astrai.train.host_memory import return_freed_memory
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.report import open_reporters
+from astrai.train.resume_checks import DataOrder
 from astrai.train.strategies import Env, Strategy
 
 
@@ -133,6 +134,7 @@ class Trainer:
         self.write_tokenizer = write_tokenizer
         self.state = TrainState()
         self.stop_signal: Optional[int] = None
+        self.resumed: Optional[tuple[Path, int]] = None  # the checkpoint this run continues, and its step
 
     # ---- hooks, checkpoints, signals --------------------------------------------------------------
 
@@ -175,7 +177,10 @@ class Trainer:
         path = resume.latest(self.checkpoint_dir)
         if path is None:
             return None
-        saved = resume.load(path, self.raw_model, self.optimizer, self.scheduler, self.dist)
+        o = self.opts
+        order = DataOrder(len(self.dataset), o.batch_size, o.grad_accum, self.dist.world, self.strategy.updates)
+        saved = resume.load(path, self.raw_model, self.optimizer, self.scheduler, self.dist, order)
+        self.resumed = (path, saved["global_step"])
         for k in _SAVED:
             setattr(self.state, k, saved.get(k, 0))
         changed = resume.changed_options(saved, self.opts.model_dump(mode="json"))
@@ -314,10 +319,14 @@ class Trainer:
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {st.grad_norm} (loss {loss:.4g})"
         if st.skipped_nonfinite >= allowed:
             skipped = f" after skipping {allowed} such step(s)" if allowed else ""
+            # no checkpoint written since the resume: the state it loaded is the first suspect
+            suspect = (f"this run resumed from {self.resumed[0]}: its saved state may be damaged (delete it to "
+                       f"resume from an earlier checkpoint), or " if self.resumed and st.saved_step == self.resumed[1]
+                       else "")
             raise NonFiniteError(
                 f"step {st.global_step + 1}: non-finite {what}{skipped}; training stopped before the optimizer "
-                f"step, the weights were not changed (last checkpoint: step {st.saved_step}); lower lr (now "
-                f"{self.opts.lr:g}), check the data, or allow skips with skip_nonfinite_steps")
+                f"step, the weights were not changed (last checkpoint: step {st.saved_step}); {suspect}lower lr "
+                f"(now {self.opts.lr:g}), check the data, or allow skips with skip_nonfinite_steps")
         st.skipped_nonfinite += 1
 
     # ---- validation ---------------------------------------------------------------------------------
