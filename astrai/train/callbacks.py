@@ -14,7 +14,8 @@ Hooks, in the order they fire (a test records it):
 
 Defaults: gradient_checkpointing, checkpoint (rank 0), metrics (JSONL + validation, rank 0),
 progress_bar (tqdm over the run's optimizer steps, rank 0), gradient_clipping; user callbacks run
-after them.
+after them. A callback receives the trainer; this module imports nothing from astrai.train.trainer
+(which imports it), and NonFiniteError, which the trainer raises and Checkpoint tests for, lives here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from pathlib import Path
 
 import torch
 
+from astrai.errors import InputError
 from astrai.runtime import open_nofollow
+
+
+class NonFiniteError(InputError):
+    """Training stopped at a non-finite loss or gradient norm (or weights); the message names the step."""
 
 
 class Callback:
@@ -80,8 +86,6 @@ class Checkpoint(Callback):
             trainer.save_checkpoint()
 
     def on_error(self, trainer, error):
-        from astrai.train.trainer import NonFiniteError
-
         if trainer.dist.active or isinstance(error, NonFiniteError):
             return
         if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:

@@ -45,11 +45,11 @@ from typing import Callable, Optional
 
 import torch
 
-from astrai.errors import InputError
 from astrai.model.lora import cast, has_adapters
 from astrai.train import resume
 from astrai.train.batches import RankSampler
-from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
+from astrai.train.callbacks import (Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics,
+                                    NonFiniteError, ProgressBar)
 from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_sync, is_sharded, named_optimizer_state,
                                      reshard, wrap)
 from astrai.train.host_memory import return_freed_memory
@@ -57,10 +57,6 @@ from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.report import open_reporters
 from astrai.train.resume_checks import DataOrder
 from astrai.train.strategies import Env, Strategy
-
-
-class NonFiniteError(InputError):
-    """Training stopped at a non-finite loss or gradient norm; the message names the step."""
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
