@@ -7,8 +7,7 @@ micro-batches on all ranks, one all-reduce. Each micro-batch then backpropagates
 so the accumulated, DDP-averaged gradient is exactly the gradient of the step's token-weighted
 mean: 4 micro-batches give the gradient of their concatenation (tested). Gradients are
 reduced only on the last micro-batch (DDP no_sync, FSDP2 set_requires_gradient_sync(False) on the
-others: astrai.train.distributed); the optimizer and the
-scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch. A strategy
+others: astrai.train.distributed); the optimizer and the scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch. A strategy
 with a `draw(model, window, global_step)` method makes the step's micro-batches itself from the
 drawn row indices (online GRPO samples them: astrai.rl), and its `step_metrics` join the step's
 metrics line.
@@ -22,7 +21,9 @@ updates writes final/ but no checkpoint for that step.
 Resume: the state (global step, epoch, next step in the epoch) is saved with the weights,
 optimizer, scheduler and RNG at step boundaries only; the data order is a function of
 (seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would (bitwise
-on CPU, tested). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
+on CPU, tested). Every counter of the checkpoint is checked against that order first
+(astrai.train.resume_checks), and the hyperparameters then follow this run's options
+(resume.follow_options). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
 written, and `fit` returns with `state.stopped` set. Hook order: astrai.train.callbacks.
 
 Non-finite training: before each optimizer step the step's loss (summed over ranks) and gradient
@@ -30,7 +31,9 @@ norm are checked, on every rank alike. A non-finite one stops training with NonF
 the step, before the optimizer moves, so no weight ever becomes NaN; `skip_nonfinite_steps: N`
 instead skips up to N such steps over the run (gradients dropped, optimizer and scheduler not
 stepped, the batch consumed; counted in metrics.jsonl as `skipped_nonfinite`), and stops at the
-next one. Every checkpoint and the final model are checked finite before they are written.
+next one. Until a resumed run writes a checkpoint of its own, the error names the checkpoint it
+resumed from as the first suspect. Every checkpoint and the final model are checked finite before
+they are written.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class Trainer:
         self.raw_model = cast(model, self.dist.device, _DTYPES[o.dtype])  # LoRA adapters stay float32
         if o.compile:
             # each layer's attention holds its own layer_idx, an int dynamo would specialise on: one graph
-            # per layer, and past its recompile_limit (8) the remaining layers ran eager (SmolLM2: 22 of 30).
+            # per layer, and past dynamo's recompile_limit the remaining layers would run eager.
             # Unspecialised, every layer of the same shapes shares one graph.
             torch._dynamo.config.allow_unspec_int_on_nn_module = True
             for layer in self.raw_model.model.layers:
