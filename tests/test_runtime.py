@@ -141,3 +141,95 @@ def test_in_process_runs_the_tasks_only_when_they_run_here(tmp_path, workers, ta
     assert sorted(done) == tasks
     assert calls == ([(os.getpid(), tasks)] if streamed else [])
     assert sorted(p.name for p in tmp_path.iterdir()) == ([] if streamed else [f"t{i}" for i in tasks])
+
+
+# ---- files: never through a link ------------------------------------------------------------
+
+def _planted(tmp_path, name="metrics.jsonl"):
+    """A link named like a file astrai writes, pointing at a file of the user's outside the directory."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's file\n")
+    inside = tmp_path / "out"
+    inside.mkdir()
+    (inside / name).symlink_to(outside)
+    return inside / name, outside
+
+
+@pytest.mark.parametrize("mode", ["a", "w", "wb", "r+b", "x"])
+def test_open_nofollow_refuses_a_planted_link_and_leaves_its_target(tmp_path, mode):
+    from astrai.errors import os_error_line
+    from astrai.runtime import LinkRefused, open_nofollow
+
+    link, outside = _planted(tmp_path)
+    with pytest.raises(OSError) as e:
+        open_nofollow(link, mode)
+    assert isinstance(e.value, LinkRefused) or mode == "x"  # x: exists, whatever it is
+    assert outside.read_text() == "the user's file\n" and link.is_symlink()
+    if mode != "x":
+        line = os_error_line(e.value)  # what the CLI prints after "error: "
+        assert line.startswith(f"{link}: is a symbolic link") and "\n" not in line
+
+
+def test_open_nofollow_refuses_a_fifo_without_blocking(tmp_path):
+    import time
+
+    from astrai.runtime import LinkRefused, open_nofollow
+
+    fifo = tmp_path / "log.txt"
+    os.mkfifo(fifo)
+    t = time.perf_counter()
+    for mode in ("a", "w", "r"):
+        with pytest.raises(LinkRefused, match="FIFO"):
+            open_nofollow(fifo, mode)
+    assert time.perf_counter() - t < 2
+
+
+def test_open_nofollow_writes_appends_and_truncates_a_regular_file(tmp_path):
+    from astrai.runtime import open_nofollow
+
+    f = tmp_path / "log.txt"
+    with open_nofollow(f, "a") as fh:
+        fh.write("one\n")
+    with open_nofollow(f, "a") as fh:
+        fh.write("two\n")
+    assert f.read_text() == "one\ntwo\n"
+    with open_nofollow(f, "w") as fh:
+        fh.write("new\n")
+    assert f.read_text() == "new\n"
+    with open_nofollow(f, "r+b") as fh:
+        assert fh.read() == b"new\n"
+
+
+def test_atomic_writes_never_write_through_a_planted_link(tmp_path):
+    from astrai.runtime import fresh_tmp, open_nofollow
+
+    # at the final name: the rename replaces the link itself
+    link, outside = _planted(tmp_path, "stage.json")
+    atomic_write_text(link, "{}\n")
+    assert not link.is_symlink() and link.read_text() == "{}\n" and outside.read_text() == "the user's file\n"
+    # at the temporary name (predictable: the pid), for every writer that goes through fresh_tmp
+    target = link.parent / "summary.json"
+    tmp_name(target).symlink_to(outside)
+    atomic_write_text(target, "{}\n")
+    assert target.read_text() == "{}\n" and outside.read_text() == "the user's file\n"
+    assert not tmp_name(target).exists() and not tmp_name(target).is_symlink()
+    tmp_name(target).symlink_to(outside)
+    tmp = fresh_tmp(target)
+    assert tmp.is_file() and not tmp.is_symlink() and tmp.stat().st_size == 0
+    with open_nofollow(tmp, "w") as fh:
+        fh.write("x")
+    assert outside.read_text() == "the user's file\n"
+
+
+def test_a_marker_that_is_a_link_proves_nothing(tmp_path):
+    from astrai.runtime import OUTPUT_MARKER, is_ours
+
+    elsewhere = tmp_path / "theirs.json"
+    elsewhere.write_text('{"written_by": "astrai"}')
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / OUTPUT_MARKER).symlink_to(elsewhere)
+    assert not is_ours(out)
+    (out / OUTPUT_MARKER).unlink()
+    (out / OUTPUT_MARKER).write_text('{"written_by": "astrai"}')
+    assert is_ours(out)

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from astrai.data.shard_check import check_digest, check_shard, shard_checks, stat_stamp
 from astrai.data.write import positions
 from astrai.errors import InputError, read_text_regular
-from astrai.runtime import atomic_write_text
+from astrai.runtime import atomic_write_text, fresh_tmp
 from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS
 
 
@@ -60,7 +60,7 @@ def _arrow_cache(out: Path, shard: str, record: dict) -> Path:
             old.unlink(missing_ok=True)
     before = stat_stamp(source)
     check_digest(source, record)
-    tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+    tmp = fresh_tmp(cache)  # a link planted at the name is removed, not written through
     pf = pq.ParquetFile(source)
     with pa.OSFile(str(tmp), "wb") as sink:
         with pa.ipc.new_file(sink, pf.schema_arrow) as writer:

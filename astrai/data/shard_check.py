@@ -14,22 +14,11 @@ A shard path must lie inside the dataset's data/ folder: a manifest naming anoth
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 from astrai.errors import InputError
-
-CHUNK = 1 << 20
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
-
+from astrai.runtime import file_sha256
 
 def stat_stamp(path: Path) -> list[int]:
     """What changes whenever the file's bytes may have: size, mtime, ctime (not settable), inode."""

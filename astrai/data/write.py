@@ -13,7 +13,6 @@ Output is deterministic: the same rows give the same bytes (no timestamps in the
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from astrai.runtime import tmp_name
+from astrai.runtime import fresh_tmp, fsync_replace, tmp_name
 from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS, arrow_value_type
 
 I32 = pa.list_(pa.int32())
@@ -142,7 +141,7 @@ class ShardWriter:
     def write(self, table: pa.Table):
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(self.tmp, table.schema, compression="zstd", write_statistics=False,
+            self._writer = pq.ParquetWriter(fresh_tmp(self.path), table.schema, compression="zstd", write_statistics=False,
                                             store_schema=True)
         self._writer.write_table(table, row_group_size=self.row_group_rows)
         self.rows += table.num_rows
@@ -151,9 +150,7 @@ class ShardWriter:
         if self._writer is None:
             return
         self._writer.close()
-        with open(self.tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(self.tmp, self.path)
+        fsync_replace(self.tmp, self.path)
         self._writer = None
 
     def abort(self):

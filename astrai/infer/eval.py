@@ -26,6 +26,7 @@ from pathlib import Path
 
 from astrai.config.infer import EvalOptions
 from astrai.errors import InputError
+from astrai.runtime import atomic_write_text
 
 
 def tokenizer_problem(manifest: dict, tokenizer, checkpoint, data) -> Optional[str]:
@@ -100,9 +101,7 @@ def run_eval(options: EvalOptions, out=None) -> dict:
                          for (p, ref), c in zip(prompts, completions)]
     result["generation"] = engine.engine_stats()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     out.write(f"[eval] {summary_line(result)} -> {path}\n")
     for s in result["samples"]:  # eval.json has them whole
         out.write(f"[eval] prompt: {shorten(s['prompt'], keep='end')!r}\n"

@@ -34,7 +34,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from astrai.model.config import ModelConfig
-from astrai.model.hf_checkpoint import CONFIG, _fsync_replace, _tmp, load_model, read_config, read_tensors, save_model
+from astrai.model.hf_checkpoint import CONFIG, load_model, read_config, read_tensors, save_model
+from astrai.runtime import atomic_write_text, fresh_tmp, fsync_replace
 from astrai.model.lora import Adapter, adapter_state, has_adapters, merge_weight
 from astrai.model.transformer import CausalLM
 
@@ -72,11 +73,10 @@ def save_adapter(model: CausalLM, directory: Union[str, os.PathLike], state: Opt
     tensors = {PREFIX + k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
     arch = (model.config.to_hf().get("architectures") or [""])[0]
     weights = out / ADAPTER_WEIGHTS
-    save_file(tensors, str(_tmp(weights)), metadata={"format": "pt", _ARCH_KEY: arch})
-    _fsync_replace(_tmp(weights), weights)
-    cfg = out / ADAPTER_CONFIG
-    _tmp(cfg).write_text(json.dumps(peft_config(model.adapter), indent=2, sort_keys=True) + "\n")
-    _fsync_replace(_tmp(cfg), cfg)
+    tmp = fresh_tmp(weights)
+    save_file(tensors, str(tmp), metadata={"format": "pt", _ARCH_KEY: arch})
+    fsync_replace(tmp, weights)
+    atomic_write_text(out / ADAPTER_CONFIG, json.dumps(peft_config(model.adapter), indent=2, sort_keys=True) + "\n")
     return out
 
 

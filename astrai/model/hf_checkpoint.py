@@ -31,6 +31,7 @@ from astrai.errors import ModelFileError
 from astrai.model.checkpoint_files import CONFIG, INDEX, WEIGHTS, read_headers, read_json
 from astrai.model.config import ModelConfig
 from astrai.model.transformer import CausalLM
+from astrai.runtime import atomic_write_text, fresh_tmp, fsync_replace
 from astrai.model.weights import (IGNORED_SUFFIXES, available_memory, check_tensors, nonfinite, split_tensor,
                                   torch_dtype, unfuse_experts)
 
@@ -38,16 +39,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
                 torch.float64: "float64"}
 
 __all__ = ["CONFIG", "INDEX", "WEIGHTS", "load_model", "model_state", "read_config", "read_tensors", "save_model"]
-
-
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _fsync_replace(tmp: Path, path: Path):
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def model_state(model: CausalLM, state: Optional[dict] = None) -> dict[str, torch.Tensor]:
@@ -66,16 +57,16 @@ def save_model(model: CausalLM, directory: Union[str, os.PathLike], state: Optio
     sd = model_state(model, state)
     dtype = next(iter(sd.values())).dtype
     weights = out / WEIGHTS
-    save_file(sd, str(_tmp(weights)), metadata={"format": "pt"})
-    _fsync_replace(_tmp(weights), weights)
+    tmp = fresh_tmp(weights)
+    save_file(sd, str(tmp), metadata={"format": "pt"})
+    fsync_replace(tmp, weights)
     (out / INDEX).unlink(missing_ok=True)  # a stale shard index would shadow the single file
     hf = model.config.to_hf()
     hf["torch_dtype"] = _DTYPE_NAMES.get(dtype, "float32")
     if "dtype" in hf:
         hf["dtype"] = hf["torch_dtype"]
     cfg = out / CONFIG
-    _tmp(cfg).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    _fsync_replace(_tmp(cfg), cfg)
+    atomic_write_text(cfg, json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out
 
 

@@ -14,14 +14,16 @@ after its last checkpoint) keeps its latest value.
 
 `write_plot(path, panels, title)` draws them with matplotlib (the `plot` extra, imported here only)
 side by side; without matplotlib it falls back to astrai.plot.png, which draws the loss panel alone.
-The file is written under a temporary name and renamed.
+The file is written under a temporary name and renamed (astrai.runtime.atomic_write_bytes).
 """
 
 from __future__ import annotations
 
+import io
 import math
-import os
 from pathlib import Path
+
+from astrai.runtime import atomic_write_bytes
 
 # panel title -> (y label, [(metric key, series label), ...])
 PANELS = {
@@ -62,20 +64,21 @@ def write_plot(path, panels: dict, title: str = "") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     panels = _as_panels(panels)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
     try:
         from matplotlib.figure import Figure
     except ImportError:
         from astrai.plot.png import render_loss
 
-        tmp.write_bytes(render_loss(panels.get("loss", {})).png())
+        png = render_loss(panels.get("loss", {})).png()
     else:
-        _matplotlib(Figure, tmp, panels, title)
-    os.replace(tmp, path)
+        buf = io.BytesIO()
+        _matplotlib(Figure, buf, panels, title)
+        png = buf.getvalue()
+    atomic_write_bytes(path, png)  # never through a link planted at the name (astrai.runtime.files)
     return path
 
 
-def _matplotlib(Figure, path: Path, panels: dict, title: str):
+def _matplotlib(Figure, path, panels: dict, title: str):
     # a bare Figure, not pyplot: no backend or global state of the caller's process is touched
     names = list(panels) or ["loss"]
     cols = len(names) if len(names) <= 2 else 2

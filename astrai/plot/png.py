@@ -15,6 +15,8 @@ import struct
 import zlib
 from pathlib import Path
 
+from astrai.runtime import atomic_write_bytes
+
 WIDTH, HEIGHT = 640, 400
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 24, 40  # plot margins in pixels
 WHITE, BLACK, GREY = (255, 255, 255), (0, 0, 0), (225, 225, 225)
@@ -177,7 +179,5 @@ def render_loss(curves: dict, width: int = WIDTH, height: int = HEIGHT) -> Canva
 def write_loss_png(path: str | os.PathLike, curves: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(render_loss(curves).png())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, render_loss(curves).png())
     return path

@@ -22,16 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
-CHUNK = 1 << 20
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
-
+from astrai.runtime import file_sha256
 
 def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -41,10 +32,10 @@ def path_digest(path: Path, skip: Iterable[str] = ("__pycache__",)) -> str:
     """A file's sha256, or for a directory the sha256 over its files' relative names and contents."""
     path = Path(path)
     if path.is_file():
-        return file_digest(path)
+        return file_sha256(path)
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file() and not set(p.relative_to(path).parts) & set(skip)):
-        h.update(str(f.relative_to(path).as_posix()).encode() + b"\0" + file_digest(f).encode() + b"\0")
+        h.update(str(f.relative_to(path).as_posix()).encode() + b"\0" + file_sha256(f).encode() + b"\0")
     return h.hexdigest()
 
 
@@ -116,7 +107,7 @@ def _stat(f: Path) -> list[int]:
 def output_stamp(output: Path, parts: tuple[str, ...] = (), names: tuple[str, ...] = ()) -> dict[str, list]:
     """{relative path: [size, mtime_ns, ctime_ns, inode, sha256]} of the files a stage produced
     (`parts`: only these subpaths of its output; empty: all of it; files called one of `names` left out)."""
-    return {rel: _stat(f) + [file_digest(f)] for rel, f in _stamped(Path(output), parts, names).items()}
+    return {rel: _stat(f) + [file_sha256(f)] for rel, f in _stamped(Path(output), parts, names).items()}
 
 
 def output_changes(output: Path, parts: tuple[str, ...], recorded, names: tuple[str, ...] = ()) -> "str | None":
@@ -133,7 +124,7 @@ def output_changes(output: Path, parts: tuple[str, ...], recorded, names: tuple[
         if not (isinstance(rec, list) and len(rec) == 5):
             return f"the record of {rel} is unreadable"
         st = _stat(f)
-        if st != rec[:4] and (st[0] != rec[0] or file_digest(f) != rec[4]):
+        if st != rec[:4] and (st[0] != rec[0] or file_sha256(f) != rec[4]):
             return f"{rel} was changed"
     added = sorted(set(now) - set(recorded))
     return f"{added[0]} was added" if added else None

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Optional
 
 from astrai.config import STAGE_OUTPUT as OUTPUT
-from astrai.runtime import atomic_write_text, claim_output, flock_holder, is_ours
+from astrai.runtime import (LinkRefused, atomic_write_text, claim_output, flock_holder, fsync_dir, is_ours,
+                            open_fd_nofollow, open_nofollow)
 
 STATE = "stage.json"
 LOG = "log.txt"
@@ -59,21 +60,16 @@ def write_json(path: Path, data) -> None:
 
 
 def read_json(path: Path) -> Optional[dict]:
+    """The JSON object in `path`; None when it is absent or not one. A link planted at its name is
+    refused (LinkRefused): a state read through it could claim an output for the runner."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with open_nofollow(path, "r") as fh:
+            data = json.loads(fh.read())
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError):  # only a hand-edited file can be half-written
         return None
     return data if isinstance(data, dict) else None
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -146,7 +142,7 @@ class StageDir:
         if self.output.exists():
             os.replace(self.output, aside)
         os.replace(self.next, self.output)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def drop_replaced(self) -> None:
         shutil.rmtree(self.root / ASIDE, ignore_errors=True)
@@ -165,7 +161,7 @@ class StageDir:
             shutil.rmtree(self.next, ignore_errors=True)
             os.replace(self.output, self.next)
             os.replace(aside, self.output)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
 
 class RunDir:
@@ -228,8 +224,10 @@ class RunLock:
     def __enter__(self):
         import fcntl
 
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link planted at RUN/.lock (it would get our pid)
+            fd = open_fd_nofollow(self.path, os.O_RDWR | os.O_CREAT)
+        except LinkRefused:
+            raise
         except OSError as e:
             raise RunDirError(f"cannot create the lock {self.path}: {e.strerror or e}") from None
         try:

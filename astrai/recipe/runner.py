@@ -43,6 +43,7 @@ from astrai.recipe.kinds import StageContext, StageKind
 from astrai.recipe.rundir import RunDir, StageDir, write_json
 from astrai.recipe.spec import RecipeSpec, StageSpec
 from astrai.recipe.table import figures_text, render_table
+from astrai.runtime import open_nofollow, refuse_link
 
 LOSS_CURVE = "loss_curve"
 POINTS_TO = "points_to"
@@ -258,7 +259,7 @@ class Runner:
 
     def _call(self, stage: StageSpec, sd: StageDir, output: Path, resume: bool) -> dict:
         kind = self.kinds[stage.kind]
-        with open(sd.log_file, "a", encoding="utf-8") as log_file:
+        with open_nofollow(sd.log_file, "a") as log_file:  # a link planted at log.txt is refused
             def log(message: str):
                 log_file.write(f"{message}\n")
                 log_file.flush()
@@ -325,6 +326,7 @@ def _link_copy(src: Path, dst: Path):
     other file (appended logs, JSON) is copied, so continuing never alters the output it copies."""
     for f in sorted(src.rglob("*")):
         target = dst / f.relative_to(src)
+        refuse_link(f, directory=f.is_dir())  # a link planted in the output is refused, never copied through
         if f.is_dir():
             target.mkdir(parents=True, exist_ok=True)
             continue

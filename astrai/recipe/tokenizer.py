@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from astrai.errors import InputError, RecordError
+from astrai.runtime import atomic_write_text
 
 TEMPLATE_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")  # ChatML/Llama-3 style marker literals
 
@@ -176,9 +177,7 @@ def _template_source(spec: Optional[str], base_dir) -> Optional[str]:
 
 def _write_json(path: Path, data: dict):
     # Written under a temporary name then renamed: a killed run never leaves half a file behind.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def run_tokenizer_stage(ctx) -> dict:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from astrai.config.train import TrainOptions
 from astrai.errors import InputError
 from astrai.rl.rewards import Scorer
 from astrai.rl.rollout import Rollout
+from astrai.runtime import atomic_write_text, open_nofollow
 from astrai.schema import IGNORE_INDEX
 from astrai.train.batches import collate_scored
 from astrai.train.grpo_loss import group_advantages
@@ -158,7 +158,7 @@ class OnlineGRPO(GRPOStrategy):
     def _write(self, scored: list[dict], path: Path = None):
         path = path or self.log
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
+        with open_nofollow(path, "a") as fh:  # a link planted at its name is refused
             for s in scored:
                 for r in s["records"]:
                     fh.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -189,9 +189,7 @@ def trim_log(path: Path, step: int):
     keep = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= step]
     if len(keep) == len(lines):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(keep))
 
 
 def peak_memory_mb(device) -> float:

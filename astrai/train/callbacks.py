@@ -14,7 +14,8 @@ Hooks, in the order they fire (a test records it):
 
 Defaults: gradient_checkpointing, checkpoint (rank 0), metrics (JSONL + validation, rank 0),
 progress_bar (tqdm over the run's optimizer steps, rank 0), gradient_clipping; user callbacks run
-after them.
+after them. A callback receives the trainer; this module imports nothing from astrai.train.trainer
+(which imports it), and NonFiniteError, which the trainer raises and Checkpoint tests for, lives here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ import time
 from pathlib import Path
 
 import torch
+
+from astrai.errors import InputError
+from astrai.runtime import open_nofollow
+
+
+class NonFiniteError(InputError):
+    """Training stopped at a non-finite loss or gradient norm (or weights); the message names the step."""
 
 
 class Callback:
@@ -78,8 +86,6 @@ class Checkpoint(Callback):
             trainer.save_checkpoint()
 
     def on_error(self, trainer, error):
-        from astrai.train.trainer import NonFiniteError
-
         if trainer.dist.active or isinstance(error, NonFiniteError):
             return
         if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:
@@ -108,7 +114,7 @@ class Metrics(Callback):
         trainer.state.history.append(rec)
         if trainer.dist.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as fh:
+            with open_nofollow(self.path, "a") as fh:  # a link planted at its name is refused, not followed
                 fh.write(json.dumps(rec) + "\n")
             for sink in self.sinks:
                 sink.write(rec)
@@ -190,7 +196,7 @@ class ProgressBar(Callback):
 def drop_cut_line(path: Path):
     """A record cut by a kill (the file does not end in a newline) is removed before more are appended
     after it, so every line of the file stays one whole record."""
-    with open(path, "rb+") as fh:
+    with open_nofollow(path, "r+b") as fh:
         data = fh.read()
         if data and not data.endswith(b"\n"):
             fh.truncate(data.rfind(b"\n") + 1)

@@ -3,20 +3,17 @@
 glibc's malloc serves a request above its mmap threshold from a fresh mapping, returned to the system
 when freed; below it, from the heap, which keeps freed memory and reuses it only for requests that
 fit the holes. The threshold is dynamic: it starts at 128 KiB and rises to the size of every mapped
-block freed, up to 32 MiB. A training step frees tens of MiB blocks within its first layers, so the
-rest of the step's activations and gradients (a few MiB each) come from the heap, whose holes do not
-fit later tensors of other sizes: the peak grows by the fragmentation, not only by the tensors.
-
-Measured on SmolLM2-135M, rows of 1,024 tokens, 2 threads, peak RSS of 2 steps (bench/finetune.py
---memory-only; bench/RESULTS.md): LoRA 3,466 -> 2,413 MB, LoRA with gradient checkpointing 2,265 ->
-1,311 MB, full fine-tuning 4,084 -> 3,499 MB; but every large tensor then starts on fresh pages the
-kernel must zero, so steps are slower: LoRA x1.41-1.77, full x1.08-1.25 (5 steps each, processes
-alternating; bench/finetune.py --freed-timing). Hence the train option `return_freed_memory`, off by
-default: for a run that does not otherwise fit in memory.
+block freed, up to 32 MiB. A training step frees blocks of tens of MiB within its first layers, so
+the rest of the step's activations and gradients (a few MiB each) come from the heap, whose holes do
+not fit later tensors of other sizes: the peak grows by the fragmentation, not only by the tensors.
 
 `return_freed_memory(threshold)` fixes the threshold (which also stops the dynamic rise) with
-mallopt(M_MMAP_THRESHOLD); a no-op returning False where the C library has no such call (macOS) or
-refuses it (musl's mallopt does nothing and returns 0).
+mallopt(M_MMAP_THRESHOLD): every tensor of `threshold` bytes or more gets a mapping of its own,
+unmapped when it is freed. The price is time: each such tensor starts on fresh pages the kernel must
+zero. So the train option `return_freed_memory` is off by default, for a run that does not fit in
+memory otherwise (peaks and step times on SmolLM2: bench/RESULTS.md, `bench/finetune.py
+--memory-only` and `--freed-timing`). A no-op returning False where the C library has no such call
+(macOS) or refuses it (musl's mallopt does nothing and returns 0).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from astrai.runtime import atomic_write_text
 from astrai.train.resume import LEGACY, STATE, FORMAT, fsync_tree
 from astrai.train.state_files import CheckpointError, write_optimizer, write_rng, write_scheduler
 
@@ -70,7 +71,7 @@ def convert(directory: Path) -> list[str]:
     write_rng(directory, 0, {**rng, "cuda": rng.get("cuda") or []})
     state = json.loads((directory / STATE).read_text())
     state.update(format=FORMAT, world=1)
-    (directory / STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(directory / STATE, json.dumps(state, indent=2, sort_keys=True) + "\n")
     fsync_tree(directory)
     for n in LEGACY:
         (directory / n).unlink()

@@ -1,8 +1,8 @@
 """The LM head and its loss without holding the whole [tokens, vocab] logits.
 
 At a 32k vocabulary the head plus cross-entropy is the largest cost of a small model's step, and
-its float32 logits the largest tensors (63% of a small model's step, bench/train.py); at 129k it dominates. Three
-ways to compute the same numbers, picked by `mode`:
+its float32 logits the largest tensors; at 129k it dominates. Three ways to compute the same
+numbers, picked by `mode`:
 
 - "full": logits for every trained position at once (fastest when they fit).
 - "chunked": per chunk of positions, the logits are computed, reduced and dropped; backward
@@ -12,12 +12,9 @@ ways to compute the same numbers, picked by `mode`:
   of the hidden states and of the head weight; backward only scales them. No recomputation.
 
 "auto" (the default): full up to `chunk` positions (1024 by default), fused beyond (cross-entropy);
-log-probs (DPO, GRPO) full up to 4 chunks, chunked beyond. Measured with
-`python bench/train.py --rows 6 --loss-modes` (small model, hidden 256 x 4 layers, 32k vocab, rows
-of 4096 real chat lengths, 2 idle CPU cores, chunk 1024),
-one packed fwd+bwd+AdamW step: full 2.08 s / +1587 MB over the step's start, chunked 2.73 s /
-+527 MB, fused 1.79 s / +296 MB; interleaved throughput fused 1.24x full. Fused is both the fastest
-and the smallest, so it is the default wherever there is more than one chunk.
+log-probs (DPO, GRPO) full up to 4 chunks, chunked beyond. Fused computes each chunk's logits once
+and holds one chunk's at a time, so past one chunk it is both the fastest mode and the smallest
+(`python bench/train.py --loss-modes`: time and peak memory of each mode in bench/RESULTS.md).
 
 Only positions with a target are sent through the head at all (an SFT batch with 30% trained
 tokens pays 30% of the head), in every mode.
@@ -81,7 +78,7 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     if mode in MODES and not _needs_grad(h, weight):
         return sum(_chunk_ce(h[s:s + chunk], weight, y[s:s + chunk], smoothing, softcap)
                    for s in range(0, h.shape[0], chunk))
-    if mode in ("fused", "auto"):  # auto past one chunk: fused measured faster than chunked at the same peak
+    if mode in ("fused", "auto"):  # auto past one chunk: fused, no recompute and one chunk's logits
         return _FusedLinearCrossEntropy.apply(h, weight, y, chunk, smoothing, softcap)
     if mode == "chunked":
         parts = [checkpoint(_chunk_ce, h[s:s + chunk], weight, y[s:s + chunk], smoothing, softcap,
@@ -126,8 +123,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     Per chunk, one float32 [chunk, vocab] buffer (reused by every chunk) goes logits -> exp -> softmax
     -> gradient in place: no log-softmax copy, no softmax copy, no fresh allocation per chunk (on CPU
-    every fresh buffer this size is new pages for the kernel to fault in and zero: it was a third of a
-    small model's step). With z the logits, m = max z, s = sum exp(z - m), lse = m + log s:
+    every fresh buffer this size is new pages the kernel faults in and zeroes). With z the logits, m = max z, s = sum exp(z - m), lse = m + log s:
     CE = (1-e) (lse - z_y) + e (lse - mean_v z_v), dCE/dz = softmax(z) - (1-e) onehot(y) - e/V.
     """
 

@@ -6,8 +6,7 @@ cu_seqlens [N+1] (document i is tokens cu[i]:cu[i+1]). Two contexts implement th
 astrai.model.attention behind one constructor, `packed_context(cu_seqlens, ...)`:
 
 - `DocumentLoopContext` (the reference, and the CPU path): a loop over the documents, each a causal
-  SDPA call with enable_gqa. Issue 13 measured it on a 2-core CPU at ~0.98x the real tokens/s of
-  length-sorted padding and ~1.6x random-order padding; bench/train.py re-measures it.
+  SDPA call with enable_gqa (its speed against padded batches: bench/train.py, bench/RESULTS.md).
   Document boundaries are read to Python once, in the constructor, so a torch.compile of the rest
   of the model does not recompile for every new document count. A sliding-window layer attends in
   query blocks of the window's length (astrai.model.attention.causal_sdpa): O(S x window) work.

@@ -28,35 +28,28 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from astrai.model.adapter_files import read_weights, save_weights
+from astrai.runtime import fsync_dir, open_nofollow, refuse_link
+from astrai.train.output import clear_tmp, foreign, only_ours, remove_ours
+from astrai.train.resume_checks import STATE, STEP_NAME as _STEP, check_counters
 from astrai.train.distributed import Dist, barrier, load_full_state, parameter_names
 from astrai.train.state_files import (CheckpointError, pickle_files, read_optimizer, read_rng, read_scheduler,
                                       rng_files, write_optimizer, write_rng, write_scheduler)
 
-STATE = "trainer_state.json"
 FORMAT = 2  # 1: the torch.save (pickle) files of older astrai
-_STEP = re.compile(r"\.?step-(\d{8})(\.replaced)?")
 _INTS = ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step")
 LEGACY = ("optimizer.pt", "scheduler.pt", "rng.pt")
 
 
 def _name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(path: Path):
@@ -78,10 +71,11 @@ def save(root: Path, step: int, model, optimizer_state: dict, scheduler, state: 
     final = root / _name(step)
     tmp = root / f".{final.name}.tmp"
     if d.is_main:
+        refuse_link(root, directory=True)  # checkpoints/ planted as a link elsewhere
         root.mkdir(parents=True, exist_ok=True)
         _recover(root)
         for stale in root.glob(".step-*.tmp*"):  # (older astrai added its pid)
-            shutil.rmtree(stale, ignore_errors=True)
+            clear_tmp(stale)
         tmp.mkdir()
     barrier(d)
     write_rng(tmp, d.rank)  # every rank: its own generators
@@ -100,22 +94,24 @@ def save(root: Path, step: int, model, optimizer_state: dict, scheduler, state: 
         if missing:
             raise CheckpointError(f"{tmp}: rank(s) {missing} wrote no generator state (is {root} on storage "
                                   f"every rank sees?)")
-        (tmp / STATE).write_text(json.dumps({**state, "format": FORMAT, "world": d.world}, indent=2, sort_keys=True)
-                                 + "\n")
+        with open_nofollow(tmp / STATE, "x") as fh:
+            fh.write(json.dumps({**state, "format": FORMAT, "world": d.world}, indent=2, sort_keys=True) + "\n")
         fsync_tree(tmp)
         replace_dir(tmp, final)
         if keep:
-            prune(root, keep)
+            prune(root, keep, step)
     barrier(d)  # no rank goes on before the checkpoint is on disk
     return final
 
 
 def replace_dir(tmp: Path, final: Path):
-    """Rename `tmp` to `final`; an existing `final` stays complete on disk until the new one is in place."""
+    """Rename `tmp` to `final`; an existing `final` stays complete on disk until the new one is in place,
+    and is replaced only when all it holds is astrai's (astrai.train.output.only_ours)."""
     root = final.parent
-    if final.exists():
+    if final.exists() or final.is_symlink():
+        only_ours(final, f"{final.name} is replaced by a new one")
         aside = root / f".{final.name}.replaced"
-        shutil.rmtree(aside, ignore_errors=True)
+        _drop_aside(aside)
         os.replace(final, aside)
         os.replace(tmp, final)
         fsync_dir(root)
@@ -125,25 +121,39 @@ def replace_dir(tmp: Path, final: Path):
     fsync_dir(root)
 
 
+def _drop_aside(aside: Path):
+    if aside.is_symlink():
+        aside.unlink()
+    elif aside.exists():
+        remove_ours(aside, f"{aside.name} is the copy a re-save put aside")
+
+
 def _recover(root: Path):
     """A save killed between its two renames left the finished directory aside: put it back."""
     for aside in root.glob(".step-*.replaced"):
         final = root / aside.name[1:-len(".replaced")]
-        if not final.exists() and (aside / STATE).exists():
+        if not final.exists() and not aside.is_symlink() and _state_file(aside):
             os.replace(aside, final)
         else:
-            shutil.rmtree(aside, ignore_errors=True)
+            _drop_aside(aside)
     fsync_dir(root)
 
 
+def _state_file(directory: Path) -> bool:
+    """A real directory (not a link) holding a trainer_state.json that is a regular file (not a link)."""
+    return (not directory.is_symlink() and directory.is_dir() and not (directory / STATE).is_symlink()
+            and (directory / STATE).is_file())
+
+
 def _finished(root: Path) -> dict[int, Path]:
-    """step -> directory of every complete checkpoint (one moved aside by an interrupted re-save too)."""
+    """step -> directory of every complete checkpoint (one moved aside by an interrupted re-save too):
+    real directories named by our rule whose state file is a regular file; a link is none."""
     out: dict[int, Path] = {}
-    if not Path(root).is_dir():
+    if not Path(root).is_dir() or Path(root).is_symlink():
         return out
     for p in Path(root).iterdir():
         m = _STEP.fullmatch(p.name)
-        if m and p.is_dir() and (p / STATE).is_file() and (p.name.startswith("step-") or m.group(2)):
+        if m and _state_file(p) and (p.name.startswith("step-") or m.group(2)):
             step = int(m.group(1))
             if step not in out or p.name.startswith("step-"):
                 out[step] = p
@@ -155,10 +165,17 @@ def latest(root: Path) -> Optional[Path]:
     return done[max(done)] if done else None
 
 
-def prune(root: Path, keep: int):
+def prune(root: Path, keep: int, step: int):
+    """Keep the newest `keep` checkpoints up to `step` (the one just saved): a checkpoint of a higher
+    step is never deleted, nor one holding a file astrai did not write (it stays, and says why)."""
     done = _finished(root)
-    for step in sorted(done)[:-keep]:
-        shutil.rmtree(done[step], ignore_errors=True)
+    for s in sorted(s for s in done if s <= step)[:-keep]:
+        found = foreign(done[s])
+        if found:
+            print(f"astrai train: keep_last left {done[s]} in place: it holds {found[0]}, which astrai did not "
+                  f"write", file=sys.stderr, flush=True)
+            continue
+        shutil.rmtree(done[s])
     fsync_dir(Path(root))
 
 
@@ -212,13 +229,19 @@ def changed_options(saved: dict, now: dict) -> list[str]:
     return out
 
 
-def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None) -> dict:
+def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None, order=None) -> dict:
     """Restore model weights (in place: the optimizer keeps its parameters; into the shards of an
-    fsdp model), optimizer, scheduler and this rank's generators. Every rank reads the full files."""
+    fsdp model), optimizer, scheduler and this rank's generators. Every rank reads the full files.
+    Every counter is checked first (check_counters, against `order`: this run's resume_checks.DataOrder),
+    the optimizer and scheduler state by their readers; the hyperparameters then follow the options
+    (follow_options)."""
     d = dist or Dist()
     path = Path(path)
     refuse_pickles(path)
     saved = read_state(path)
+    check_counters(path, saved, d.world, order, d.is_main)
+    steps = saved["global_step"] - saved.get("skipped_nonfinite", 0)  # the optimizer steps taken
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         sd, complete = read_weights(path, model)  # the whole model, or a LoRA run's adapters
     except Exception as e:  # a truncated or foreign model file: one line, whatever safetensors raised
@@ -234,12 +257,23 @@ def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None) -
     names = parameter_names(model)
     live = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    optim_sd = read_optimizer(path, live, shapes)
+    optim_sd = read_optimizer(path, live, shapes, steps)
     load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()}, optim_sd, strict=complete)
-    read_scheduler(path, scheduler)
+    read_scheduler(path, scheduler, steps)
+    follow_options(optimizer, scheduler, fresh)
     if all((path / n).exists() for n in rng_files(d.rank)):
         read_rng(path, d.rank)
-    elif saved.get("world", 1) == d.world:
-        raise CheckpointError(f"{path}: no generator state for rank {d.rank} ({rng_files(d.rank)[1]})")
-    # else: another world size than the run that saved it; the generators keep this run's seeding
+    # else: a rank the saving run did not have (check_counters allowed it and said so): this run's seeding
     return saved
+
+
+def follow_options(optimizer, scheduler, fresh: list[dict]):
+    """The hyperparameters of this run's options (`fresh`: the param groups as built from them) over
+    the saved ones, and the learning rate the options' schedule gives at the restored step: a resume
+    with unchanged options gets the saved values exactly, one with a lowered lr continues on it."""
+    for g, f in zip(optimizer.param_groups, fresh):
+        g.update({k: v for k, v in f.items() if k != "lr"})
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for g, lam, base in zip(optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs):
+        g["lr"] = base * lam(scheduler.last_epoch)  # as LambdaLR computes it
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

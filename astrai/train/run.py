@@ -17,14 +17,13 @@ figures (astrai.train.summary), which `astrai train` prints.
 
 from __future__ import annotations
 
-import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from astrai.errors import InputError
+from astrai.errors import InputError, os_error_line
 from astrai.model import CausalLM, ModelConfig
 from astrai.model.adapter_files import is_adapter, load_checkpoint
 from astrai.model.checkpoint_files import read_json
@@ -34,6 +33,7 @@ from astrai.train.adapters import add_adapters, base_problem, reference, write_f
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import all_sum, finish, full_model_state, setup, teardown
 from astrai.plot import curves, write_plot
+from astrai.train.output import FINAL_TMP, TRAIN_MARKER, TrainOutputError, claim, clear_tmp
 from astrai.train.report import check_reporters
 from astrai.train.resume import fsync_tree, replace_dir
 from astrai.train.summary import figures, read_records
@@ -89,25 +89,32 @@ def run_train(options: TrainOptions, callbacks=(), strategy_factory=None) -> dic
 @contextmanager
 def locked_output(out: Path, dist):
     """One writer per output directory (astrai.runtime.output_lock): rank 0 holds the lock for the
-    whole run; every rank learns whether it got it (one collective), so a refused run stops on all
-    ranks at once instead of leaving the others waiting."""
-    from astrai.runtime import OutputBusy, output_lock
+    whole run and, holding it, claims the directory (astrai.train.output.claim: ours or empty, no
+    planted link); every rank learns whether that worked (one collective), so a refused run stops on
+    all ranks at once instead of leaving the others waiting."""
+    from astrai.runtime import LinkRefused, OutputBusy, output_lock
 
     lock, problem, existed = None, "", out.exists()
     if dist.is_main:
         try:
             lock = output_lock(out).__enter__()
-        except (OutputBusy, NotADirectoryError) as e:
+            claim(out)
+        except (OutputBusy, NotADirectoryError, TrainOutputError) as e:
             problem = str(e)
+        except LinkRefused as e:
+            problem = os_error_line(e)
         except OSError as e:
             problem = f"output {out}: {e.strerror or e}; choose another output directory"
     if all_sum([float(bool(problem))], dist)[0] > 0:
-        raise InputError(problem or f"output {out}: rank 0 could not lock it (see its error)")
+        if lock is not None:
+            lock.__exit__(None, None, None)
+        raise InputError(problem or f"output {out}: rank 0 could not use it (see its error)")
     try:
         yield
     except BaseException:
-        if lock is not None and not existed and not any(out.iterdir()):
-            out.rmdir()  # refused before any work (a bad combination, a changed tokenizer): leave no trace
+        if lock is not None and not existed and [p.name for p in out.iterdir()] == [TRAIN_MARKER]:
+            (out / TRAIN_MARKER).unlink()  # refused before any work (a bad combination, a changed tokenizer):
+            out.rmdir()  # leave no trace
         raise
     finally:
         if lock is not None:
@@ -161,8 +168,9 @@ def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dic
         trainer.check_finite_weights("final/")
         if dist.is_main:
             # written aside and swapped in whole: a kill leaves the previous final/ or the new one
-            tmp = final.with_name(".final.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = final.with_name(FINAL_TMP)
+            clear_tmp(tmp)
+            tmp.mkdir()
             write_final(trainer.raw_model, tmp, full, data.write_tokenizer, merge)
             fsync_tree(tmp)
             replace_dir(tmp, final)

@@ -21,6 +21,7 @@ line that names the file. `pickle_files(dir)` lists the files a loader must refu
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.errors import InputError
+from astrai.runtime import atomic_write_text, fresh_tmp, fsync_replace
 
 OPTIMIZER_TENSORS, OPTIMIZER_JSON, SCHEDULER_JSON = "optimizer.safetensors", "optimizer.json", "scheduler.json"
 FORMAT = 1
@@ -50,7 +52,13 @@ def pickle_files(directory: Path) -> list[str]:
 
 
 def _dump_json(path: Path, data: dict):
-    path.write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=True) + "\n", encoding="utf-8")
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True, allow_nan=True) + "\n")
+
+
+def _save_tensors(path: Path, tensors: dict, metadata: dict):
+    tmp = fresh_tmp(path)  # never through a link at the name (legacy conversion writes into an existing dir)
+    save_file(tensors, str(tmp), metadata=metadata)
+    fsync_replace(tmp, path)
 
 
 def _regular(path: Path):
@@ -106,8 +114,9 @@ def _like(saved, live, where: str, path: Path):
             raise CheckpointError(f"{path}: {where} is {saved!r}, expected a {type(live).__name__}")
         return saved
     if isinstance(live, (int, float)):
-        if isinstance(saved, bool) or not isinstance(saved, (int, float)):
-            raise CheckpointError(f"{path}: {where} is {saved!r}, expected a number")
+        whole = isinstance(live, int)
+        if isinstance(saved, bool) or not isinstance(saved, (int, float)) or whole and not float(saved).is_integer():
+            raise CheckpointError(f"{path}: {where} is {saved!r}, expected {'an integer' if whole else 'a number'}")
         return type(live)(saved)
     if isinstance(live, (tuple, list)):
         if not isinstance(saved, list) or len(saved) != len(live):
@@ -130,7 +139,7 @@ def write_optimizer(directory: Path, state: dict):
             else:
                 values.setdefault(name, {})[field] = _plain(v, f"optimizer state {name}.{field}")
     groups = [{k: _plain(v, f"param_groups[{i}].{k}") for k, v in g.items()} for i, g in enumerate(state["param_groups"])]
-    save_file(tensors, str(Path(directory) / OPTIMIZER_TENSORS), metadata={"format": "astrai-optimizer"})
+    _save_tensors(Path(directory) / OPTIMIZER_TENSORS, tensors, {"format": "astrai-optimizer"})
     _dump_json(Path(directory) / OPTIMIZER_JSON, {"format": FORMAT, "param_groups": groups, "values": values})
 
 
@@ -139,10 +148,54 @@ def write_optimizer(directory: Path, state: dict):
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def read_optimizer(directory: Path, live_groups: list[dict], shapes: dict[str, torch.Size]) -> dict:
+# what an AdamW hyperparameter may be: (low, high, low included, high included)
+RANGES = {"lr": (0.0, math.inf, True, False), "initial_lr": (0.0, math.inf, False, False),
+          "eps": (0.0, 1.0, False, True), "weight_decay": (0.0, math.inf, True, False)}
+
+
+def _in_range(value, where: str, path: Path, lo: float, hi: float, lo_in: bool = True, hi_in: bool = False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi)
+    if not ok:
+        raise CheckpointError(f"{path}: {where} is {value!r}, outside what it can be ("
+                              f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}); the file was edited or "
+                              f"damaged: delete {path.parent} to resume from an earlier checkpoint")
+
+
+def _check_group(g: dict, i: int, path: Path):
+    """Every hyperparameter AdamW reads in range: lr no higher than the peak it was scheduled from."""
+    for k, (lo, hi, lo_in, hi_in) in RANGES.items():
+        if k in g:
+            _in_range(g[k], f"param_groups[{i}].{k}", path, lo, hi, lo_in, hi_in)
+    if "initial_lr" in g:  # every schedule multiplies the peak by at most 1
+        _in_range(g.get("lr"), f"param_groups[{i}].lr", path, 0.0, g["initial_lr"] * (1 + 1e-6), True, True)
+    betas = g.get("betas")
+    if betas is not None:
+        for j, b in enumerate(betas):
+            _in_range(b, f"param_groups[{i}].betas[{j}]", path, 0.0, 1.0)
+
+
+def _check_tensor(t: torch.Tensor, key: str, path: Path, steps: int):
+    """Finite; a second moment never negative; AdamW's step an integer from 0 to the steps taken."""
+    bad = None
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = "holds NaN or infinite values"
+    elif key.endswith("/exp_avg_sq") and bool((t < 0).any()):
+        bad = "holds negative values (a mean of squares never is)"
+    elif key.endswith("/step") and (t.numel() != 1 or not 0 <= float(t) <= steps or float(t) != int(float(t))):
+        bad = f"is {t.flatten()[:2].tolist()}, not a whole number of optimizer steps from 0 to {steps}"
+    if bad:
+        raise CheckpointError(f"{path}: '{key}' {bad}; the file was edited or damaged: delete {path.parent} to "
+                              f"resume from an earlier checkpoint")
+
+
+def read_optimizer(directory: Path, live_groups: list[dict], shapes: dict[str, torch.Size],
+                   steps: int = 2 ** 62) -> dict:
     """The name-keyed state dict, checked against the live optimizer: the same groups holding the same
     parameter names (`live_groups`: the live param_groups with "params" given as names), every tensor
-    of a known parameter with its parameter's shape (`shapes`: name -> full shape) or a scalar."""
+    of a known parameter with its parameter's shape (`shapes`: name -> full shape) or a scalar; and
+    checked in itself: hyperparameters in range (RANGES), tensors finite, AdamW's step counters no
+    more than `steps` (the optimizer steps the checkpoint records)."""
     directory = Path(directory)
     meta_path = directory / OPTIMIZER_JSON
     meta = _read_json(meta_path)
@@ -162,6 +215,7 @@ def read_optimizer(directory: Path, live_groups: list[dict], shapes: dict[str, t
                                   + "; resume needs the same model and trainable parameters")
         restored = {k: _like(v, live[k], f"param_groups[{i}].{k}", meta_path) for k, v in g.items()
                     if k != "params" and k in live and k not in IMPLEMENTATION_KEYS}
+        _check_group(restored, i, meta_path)
         restored.update({k: live[k] for k in IMPLEMENTATION_KEYS if k in live})
         out_groups.append({**restored, "params": list(g["params"])})
     state: dict[str, dict] = {}
@@ -173,6 +227,7 @@ def read_optimizer(directory: Path, live_groups: list[dict], shapes: dict[str, t
         if t.dim() and t.shape != shapes[name]:
             raise CheckpointError(f"{tensor_path}: '{key}' has shape {list(t.shape)}, the parameter "
                                   f"{list(shapes[name])}: the checkpoint belongs to another model shape")
+        _check_tensor(t, key, tensor_path, steps)
         state.setdefault(name, {})[field] = t
     values = meta.get("values") or {}
     if not isinstance(values, dict):
@@ -181,8 +236,8 @@ def read_optimizer(directory: Path, live_groups: list[dict], shapes: dict[str, t
         if name not in shapes or not isinstance(fields, dict):
             raise CheckpointError(f"{meta_path}: values for '{name}', which is no trainable parameter of this model")
         for field, v in fields.items():
-            if isinstance(v, (dict, list)):
-                raise CheckpointError(f"{meta_path}: values.{name}.{field} must be a number, string or null")
+            if isinstance(v, (dict, list)) or isinstance(v, float) and not math.isfinite(v):
+                raise CheckpointError(f"{meta_path}: values.{name}.{field} must be a finite number, string or null")
             state.setdefault(name, {})[field] = v
     return {"state": state, "param_groups": out_groups}
 
@@ -196,8 +251,10 @@ def write_scheduler(directory: Path, state: dict):
     _dump_json(Path(directory) / SCHEDULER_JSON, {"format": FORMAT, "state": sd})
 
 
-def read_scheduler(directory: Path, scheduler):
-    """Restore the counters into `scheduler`; only keys the live scheduler has, each of its type."""
+def read_scheduler(directory: Path, scheduler, steps: int | None = None):
+    """Restore the counters into `scheduler`; only keys the live scheduler has, each of its type, in
+    range: last_epoch (the scheduler's steps) equal to `steps` (the optimizer steps the checkpoint
+    records) when given, _step_count one more, the learning rates finite and positive."""
     path = Path(directory) / SCHEDULER_JSON
     saved = _read_json(path).get("state")
     live = scheduler.state_dict()
@@ -205,6 +262,17 @@ def read_scheduler(directory: Path, scheduler):
         raise CheckpointError(f"{path}: unexpected scheduler state "
                               f"{sorted(set(saved) - set(live)) if isinstance(saved, dict) else saved!r}")
     restored = {k: _like(v, live[k], k, path) for k, v in saved.items()}
+    last = restored.get("last_epoch", 0)
+    if last < 0 or (steps is not None and last != steps):
+        raise CheckpointError(f"{path}: last_epoch is {last}, but the checkpoint records {steps} optimizer steps "
+                              f"(trainer_state.json); the file was edited: delete {path.parent} to resume from an "
+                              f"earlier checkpoint")
+    if "_step_count" in restored and restored["_step_count"] != last + 1:
+        raise CheckpointError(f"{path}: _step_count is {restored['_step_count']}, not last_epoch + 1 ({last + 1}); "
+                              f"the file was edited: delete {path.parent} to resume from an earlier checkpoint")
+    for key in ("base_lrs", "_last_lr"):
+        for i, v in enumerate(restored.get(key) or []):
+            _in_range(v, f"{key}[{i}]", path, 0.0, math.inf, key == "_last_lr")
     if "lr_lambdas" in live:
         restored["lr_lambdas"] = [None] * len(live["lr_lambdas"])  # the schedule comes from the options
     scheduler.load_state_dict({**live, **restored})
@@ -229,7 +297,7 @@ def write_rng(directory: Path, rank: int, state: dict | None = None):
     cuda = list(state.get("cuda") or [])
     for i, s in enumerate(cuda):
         tensors[f"cuda.{i}"] = s
-    save_file(tensors, str(Path(directory) / tensors_name), metadata={"format": "astrai-rng"})
+    _save_tensors(Path(directory) / tensors_name, tensors, {"format": "astrai-rng"})
     _dump_json(Path(directory) / json_name, {
         "format": FORMAT, "python": {"version": version, "state": list(words), "gauss": gauss},
         "numpy": {"algorithm": algorithm, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},

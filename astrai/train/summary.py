@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from astrai.errors import InputError, read_text_regular
+
 # what the report shows of the validation figures, in this order, with a label
 SHOWN = (("val_loss", "val loss"), ("val_reward_accuracy", "held-out reward accuracy"),
          ("val_reward_margin", "held-out reward margin"), ("val_policy_reward", "held-out policy-weighted reward"),
@@ -25,16 +27,28 @@ ONLINE_SHOWN = (("val_reward_mean", "held-out mean reward"), ("val_truncated_sha
 
 def read_records(path) -> list[dict]:
     """metrics.jsonl's records. Each is written as one line ending in a newline, so a last line without
-    one that does not parse was cut by a kill: it is left out (the resumed run logs that step again)."""
+    one that does not parse was cut by a kill: it is left out (the resumed run logs that step again).
+    Any other line that is not a JSON object is an InputError naming the file and the line."""
     path = Path(path)
     if not path.exists():
         return []
-    *whole, tail = path.read_text().split("\n")
-    records = [json.loads(line) for line in whole if line.strip()]
+    *whole, tail = read_text_regular(path, "metrics file").split("\n")
+    records = [_record(line, path, i) for i, line in enumerate(whole, 1) if line.strip()]
     try:
-        return records + ([json.loads(tail)] if tail.strip() else [])
-    except ValueError:
+        return records + ([_record(tail, path, len(whole) + 1)] if tail.strip() else [])
+    except InputError:
         return records
+
+
+def _record(line: str, path: Path, number: int) -> dict:
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError) as e:
+        raise InputError(f"{path}:{number}: not a JSON record ({e}); the file was edited: remove that line") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+        raise InputError(f"{path}:{number}: not a metrics record (an object with an integer 'step'); the file was "
+                         f"edited: remove that line")
+    return rec
 
 
 def _series(records: list[dict], key: str) -> list[float]:

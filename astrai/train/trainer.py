@@ -7,8 +7,7 @@ micro-batches on all ranks, one all-reduce. Each micro-batch then backpropagates
 so the accumulated, DDP-averaged gradient is exactly the gradient of the step's token-weighted
 mean: 4 micro-batches give the gradient of their concatenation (tested). Gradients are
 reduced only on the last micro-batch (DDP no_sync, FSDP2 set_requires_gradient_sync(False) on the
-others: astrai.train.distributed); the optimizer and the
-scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch. A strategy
+others: astrai.train.distributed); the optimizer and the scheduler step only there. GRPO runs `updates` optimizer steps on each drawn batch. A strategy
 with a `draw(model, window, global_step)` method makes the step's micro-batches itself from the
 drawn row indices (online GRPO samples them: astrai.rl), and its `step_metrics` join the step's
 metrics line.
@@ -22,7 +21,9 @@ updates writes final/ but no checkpoint for that step.
 Resume: the state (global step, epoch, next step in the epoch) is saved with the weights,
 optimizer, scheduler and RNG at step boundaries only; the data order is a function of
 (seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would (bitwise
-on CPU, tested). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
+on CPU, tested). Every counter of the checkpoint is checked against that order first
+(astrai.train.resume_checks), and the hyperparameters then follow this run's options
+(resume.follow_options). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
 written, and `fit` returns with `state.stopped` set. Hook order: astrai.train.callbacks.
 
 Non-finite training: before each optimizer step the step's loss (summed over ranks) and gradient
@@ -30,7 +31,9 @@ norm are checked, on every rank alike. A non-finite one stops training with NonF
 the step, before the optimizer moves, so no weight ever becomes NaN; `skip_nonfinite_steps: N`
 instead skips up to N such steps over the run (gradients dropped, optimizer and scheduler not
 stepped, the batch consumed; counted in metrics.jsonl as `skipped_nonfinite`), and stops at the
-next one. Every checkpoint and the final model are checked finite before they are written.
+next one. Until a resumed run writes a checkpoint of its own, the error names the checkpoint it
+resumed from as the first suspect. Every checkpoint and the final model are checked finite before
+they are written.
 """
 
 from __future__ import annotations
@@ -45,21 +48,18 @@ from typing import Callable, Optional
 
 import torch
 
-from astrai.errors import InputError
 from astrai.model.lora import cast, has_adapters
 from astrai.train import resume
 from astrai.train.batches import RankSampler
-from astrai.train.callbacks import Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics, ProgressBar
+from astrai.train.callbacks import (Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics,
+                                    NonFiniteError, ProgressBar)
 from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_sync, is_sharded, named_optimizer_state,
                                      reshard, wrap)
 from astrai.train.host_memory import return_freed_memory
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.report import open_reporters
+from astrai.train.resume_checks import DataOrder
 from astrai.train.strategies import Env, Strategy
-
-
-class NonFiniteError(InputError):
-    """Training stopped at a non-finite loss or gradient norm; the message names the step."""
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -102,7 +102,7 @@ class Trainer:
         self.raw_model = cast(model, self.dist.device, _DTYPES[o.dtype])  # LoRA adapters stay float32
         if o.compile:
             # each layer's attention holds its own layer_idx, an int dynamo would specialise on: one graph
-            # per layer, and past its recompile_limit (8) the remaining layers ran eager (SmolLM2: 22 of 30).
+            # per layer, and past dynamo's recompile_limit the remaining layers would run eager.
             # Unspecialised, every layer of the same shapes shares one graph.
             torch._dynamo.config.allow_unspec_int_on_nn_module = True
             for layer in self.raw_model.model.layers:
@@ -133,6 +133,7 @@ class Trainer:
         self.write_tokenizer = write_tokenizer
         self.state = TrainState()
         self.stop_signal: Optional[int] = None
+        self.resumed: Optional[tuple[Path, int]] = None  # the checkpoint this run continues, and its step
 
     # ---- hooks, checkpoints, signals --------------------------------------------------------------
 
@@ -175,7 +176,10 @@ class Trainer:
         path = resume.latest(self.checkpoint_dir)
         if path is None:
             return None
-        saved = resume.load(path, self.raw_model, self.optimizer, self.scheduler, self.dist)
+        o = self.opts
+        order = DataOrder(len(self.dataset), o.batch_size, o.grad_accum, self.dist.world, self.strategy.updates)
+        saved = resume.load(path, self.raw_model, self.optimizer, self.scheduler, self.dist, order)
+        self.resumed = (path, saved["global_step"])
         for k in _SAVED:
             setattr(self.state, k, saved.get(k, 0))
         changed = resume.changed_options(saved, self.opts.model_dump(mode="json"))
@@ -314,10 +318,14 @@ class Trainer:
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {st.grad_norm} (loss {loss:.4g})"
         if st.skipped_nonfinite >= allowed:
             skipped = f" after skipping {allowed} such step(s)" if allowed else ""
+            # no checkpoint written since the resume: the state it loaded is the first suspect
+            suspect = (f"this run resumed from {self.resumed[0]}: its saved state may be damaged (delete it to "
+                       f"resume from an earlier checkpoint), or " if self.resumed and st.saved_step == self.resumed[1]
+                       else "")
             raise NonFiniteError(
                 f"step {st.global_step + 1}: non-finite {what}{skipped}; training stopped before the optimizer "
-                f"step, the weights were not changed (last checkpoint: step {st.saved_step}); lower lr (now "
-                f"{self.opts.lr:g}), check the data, or allow skips with skip_nonfinite_steps")
+                f"step, the weights were not changed (last checkpoint: step {st.saved_step}); {suspect}lower lr "
+                f"(now {self.opts.lr:g}), check the data, or allow skips with skip_nonfinite_steps")
         st.skipped_nonfinite += 1
 
     # ---- validation ---------------------------------------------------------------------------------

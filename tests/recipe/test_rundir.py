@@ -244,3 +244,33 @@ def test_a_report_written_beside_a_model_is_not_a_change_of_the_model(tmp_path):
     assert output_changes(out, ("final",), rec) == "final/eval.json was added"
     (out / "final" / "model.safetensors").write_bytes(b"weightz")
     assert output_changes(out, ("final",), rec, ("eval.json",)) == "final/model.safetensors was changed"
+
+
+@pytest.mark.parametrize("name", [".lock", "fit/log.txt", "fit/stage.json"])
+def test_a_link_planted_at_the_lock_a_log_or_a_state_is_refused_naming_it(run, tmp_path, name):
+    """RUN/.lock would get the pid, log.txt the stage's log, and a state read through a link could
+    claim an output for the runner: all are opened without following links."""
+    from astrai.runtime import LinkRefused
+
+    run()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's file")
+    (run.root / name).unlink()
+    (run.root / name).symlink_to(outside)
+    with pytest.raises(LinkRefused) as e:
+        run(overrides=["fit.lr=0.3"])
+    assert e.value.filename == str(run.root / name) and "symbolic link" in e.value.strerror
+    assert outside.read_text() == "the user's file" and (run.root / name).is_symlink()
+
+
+@pytest.mark.parametrize("name", ["summary.json", "loss.png", "fit/metrics.json", "fit/loss.png"])
+def test_a_link_planted_at_a_state_file_is_replaced_never_written_through(run, tmp_path, name):
+    """Files written atomically: the rename replaces the link itself; its target is never opened."""
+    run()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's file")
+    (run.root / name).unlink()
+    (run.root / name).symlink_to(outside)
+    run(overrides=["fit.lr=0.3"])
+    assert outside.read_text() == "the user's file" and not (run.root / name).is_symlink()
+    assert (run.root / name).stat().st_size > 0

@@ -37,3 +37,17 @@ def test_the_bar_counts_max_steps_not_an_epoch(tmp_path):
 def test_the_bar_counts_every_epoch(tmp_path):
     seen = _run(tmp_path / "b", epochs=2)
     assert (seen.total, seen.n) == (12, 12)
+
+
+def test_callbacks_import_nothing_from_the_trainer():
+    """The dependency runs one way: the trainer imports its callbacks, never the reverse (at any level)."""
+    import ast
+
+    import astrai.train.callbacks as cb
+
+    tree = ast.parse(open(cb.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "astrai.train.trainer" not in imported
+    from astrai.train.trainer import NonFiniteError
+    assert NonFiniteError is cb.NonFiniteError

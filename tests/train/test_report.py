@@ -91,6 +91,7 @@ def test_report_to_accepts_none_one_or_a_list(tmp_path):
 
 
 def test_metrics_records_leave_out_only_a_last_line_cut_by_a_kill(tmp_path):
+    from astrai.errors import InputError
     from astrai.train.summary import read_records
 
     path = tmp_path / "metrics.jsonl"
@@ -99,7 +100,11 @@ def test_metrics_records_leave_out_only_a_last_line_cut_by_a_kill(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2, "val_lo')  # a record's single write, cut
     assert read_records(path) == [{"step": 1}]
     path.write_text('{"step": 1}\n{"step": 2, "val_lo\n{"step": 3}\n')  # inside the file: not ours to drop
-    with pytest.raises(ValueError):
+    with pytest.raises(InputError) as e:  # one line naming the file and the line
+        read_records(path)
+    assert str(e.value).startswith(f"{path}:2: not a JSON record") and "\n" not in str(e.value)
+    path.write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(InputError, match=r"metrics.jsonl:2: not a metrics record"):
         read_records(path)
 
 

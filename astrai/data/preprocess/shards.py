@@ -30,7 +30,7 @@ from astrai.data.process import Processor, RecordOutput, TokenSeq
 from astrai.data.read import Partition
 from astrai.data.write import (ShardWriter, concat, list_array, nested_list_array, rows_columns, table_of,
                                trained_count, value_array)
-from astrai.runtime import atomic_write_bytes, tmp_name
+from astrai.runtime import atomic_write_bytes, fresh_tmp
 from astrai.schema import INPUT_IDS, LABELS, source_column
 
 PLAN_CHUNK = 1024  # documents planned at once by the streamed simple packer
@@ -190,7 +190,7 @@ class IntermediateSink:
             cols[LABELS] = [s.labels for s in self.pending]
         for column, arrays in cols.items():
             if column not in self.files:
-                self.files[column] = open(tmp_name(token_file(self.work, self.part_name, column)), "wb")
+                self.files[column] = open(fresh_tmp(token_file(self.work, self.part_name, column)), "wb")
             self.files[column].write(concat(arrays).astype(TOKEN_DTYPE, copy=False).tobytes())
         self.lengths.extend(len(s) for s in self.pending)
         self.pending = []

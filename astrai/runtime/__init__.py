@@ -1,5 +1,5 @@
-"""Runtime plumbing every stage reuses: a process pool, atomic writes, completion markers, output
-directories (ownership marker, one-writer lock), input identity, progress.
+"""Runtime plumbing every stage reuses: a process pool, files (links refused, atomic writes, completion
+markers, output directories: astrai.runtime.files), progress.
 
 Stages (preprocess today; train and generate next) describe their work as picklable task
 objects and a function `fn(context, task)`; this module runs them, in-process or on a pool of
@@ -11,85 +11,30 @@ from its steps).
   inherit the context the parent already built (no second load, nothing pickled); with spawn,
   each worker builds it from the picklable `setup`. A worker killed from outside (the OOM
   killer) fails the run with a message instead of hanging it, and the first error stops it.
-- `atomic_write_text` / `atomic_write_bytes`: written under `.NAME.tmp-PID`, fsynced, renamed;
-  a reader sees the old file or the whole new one, never half. `remove_stale_tmp` clears what a
-  killed run left.
-- completion markers: a unit of work is done when its marker exists; the marker is written last
-  (atomically) and may carry the unit's summary, so a rerun skips exactly the finished units.
-- output directories: `claim_output`/`is_ours` (the OUTPUT_MARKER file astrai writes is the only
-  proof a directory is ours), `output_lock` (flock on the directory: one writer, gone with the
-  process), `inside_output` (inputs are never read from an output).
-- `file_identity`: size/mtime/inode before and after reading, so a changed input is detected.
+- files (astrai.runtime.files, imported here): `open_nofollow` (nothing is written through a
+  link planted in an output), atomic writes, completion markers, output directories (ownership
+  marker, one-writer lock), input identity.
 - `Progress`: a tqdm bar on a terminal, a plain line every few seconds otherwise.
 - workers exit when their parent dies (they poll getppid), instead of hanging.
 - `fewer_collections`: the cyclic garbage collector held off while a step makes millions of containers.
 
-NOTE: this module imports nothing from astrai: every layer may use it.
+NOTE: this package imports nothing from astrai outside itself: every layer may use it.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import multiprocessing as mp
 import os
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
-# ---------------------------------------------------------------------------------------------
-# atomic files
-
-
-def tmp_name(path: Path) -> Path:
-    """Where `path` is written before it is renamed into place (hidden, unique per process)."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True):
-    """durable=False skips the fsync: for a file that only saves work (a cache its reader can
-    recompute), where a power loss may lose it but a killed process never does."""
-    path = Path(path)
-    tmp = tmp_name(path)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str, durable: bool = True):
-    atomic_write_bytes(path, text.encode("utf-8"), durable)
-
-
-def remove_stale_tmp(folder: Path):
-    """Temporary files from a killed run (never part of the output)."""
-    folder = Path(folder)
-    if folder.exists():
-        for f in folder.glob(".*.tmp-*"):
-            f.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# completion markers
-
-
-def is_done(marker: Path) -> bool:
-    return Path(marker).exists()
-
-
-def mark_done(marker: Path, summary: dict):
-    """Write a unit's completion marker (its summary as JSON). Call it after everything else the
-    unit writes is in place: its existence is what a rerun trusts."""
-    atomic_write_text(marker, json.dumps(summary, sort_keys=True))
-
-
-def read_marker(marker: Path) -> dict:
-    return json.loads(Path(marker).read_text())
-
+from astrai.runtime.files import (CHUNK, OUTPUT_MARKER, LinkRefused, OutputBusy, atomic_write_bytes,  # noqa: F401
+                                  atomic_write_text, claim_output, file_identity, file_sha256, flock_holder,
+                                  fresh_tmp, fsync_dir, fsync_replace, inside_output, is_done, is_ours, mark_done,
+                                  marker_info, open_fd_nofollow, open_nofollow, output_lock, read_marker,
+                                  refuse_link, remove_stale_tmp, tmp_name)
 
 # ---------------------------------------------------------------------------------------------
 # process pool
@@ -173,126 +118,9 @@ def run_tasks(fn: Callable[[Any, Any], Any], tasks: Sequence, *, workers: int, s
     log(f"{len(tasks)} {what} done with {workers} workers")
 
 
-# ---------------------------------------------------------------------------------------------
-# input identity
-
-
-def file_identity(paths) -> dict:
-    """(size, mtime_ns, inode) of each file (every file under a directory): taken before reading and
-    compared after, so an input replaced, truncated or appended while it was read is detected (and a
-    later restore of the old bytes cannot make the half-read result look complete)."""
-    out = {}
-    for p in paths:
-        p = Path(p)
-        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
-            if f.is_file():
-                st = f.stat()
-                out[str(f)] = (st.st_size, st.st_mtime_ns, st.st_ino)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# output directories: ownership marker and one writer at a time
-
-OUTPUT_MARKER = ".astrai-output"  # written by astrai into every output directory it owns
-
-
-def is_ours(folder: Path, marker: str = OUTPUT_MARKER) -> bool:
-    """True when `folder` carries the marker astrai writes: never because of a file named like ours
-    (a user's stats.json or .work/ proves nothing). `marker`: another marker's name (a recipe's run
-    directory has its own, so inputs may still be read from inside it)."""
-    try:
-        info = json.loads((Path(folder) / marker).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(info, dict) and info.get("written_by") == "astrai"
-
-
-def marker_info(folder: Path) -> dict:
-    return json.loads((Path(folder) / OUTPUT_MARKER).read_text()) if is_ours(folder) else {}
-
-
-def claim_output(folder: Path, info: dict, marker: str = OUTPUT_MARKER):
-    """Write (or update) the ownership marker; call it only on an empty folder or one `is_ours`."""
-    atomic_write_text(Path(folder) / marker, json.dumps({"written_by": "astrai", **info}, sort_keys=True))
-
-
-def inside_output(path: Path, exclude: Path | None = None) -> bool:
-    """True when `path` lies inside (or is) a directory astrai owns (its marker), or the output
-    `exclude` of the run asking (not marked yet on a first run): inputs are never read from one."""
-    path = Path(path).absolute()
-    if exclude is not None:
-        ex = Path(exclude).absolute()
-        if path == ex or ex in path.parents:
-            return True
-    return any((p / OUTPUT_MARKER).is_file() for p in (path, *path.parents))
-
-
-class OutputBusy(RuntimeError):
-    pass
-
-
 class StageFailed(RuntimeError):
     """The work stopped for a reason outside the task (a worker killed by the OOM killer); what
     finished is kept. The CLI prints it as one line, like a user error."""
-
-
-def flock_holder(fd: int) -> Optional[int]:
-    """The pid holding a flock on the file open as `fd`, from /proc/locks (Linux; None elsewhere or
-    when it cannot be told). Lines read `1: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF`;
-    a blocked waiter's line carries `->` and is skipped."""
-    st = os.fstat(fd)
-    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if "->" not in parts and len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == where:
-            try:
-                return int(parts[4])
-            except ValueError:
-                return None
-    return None
-
-
-class output_lock:
-    """Exclusive lock on an output directory for a whole run (created if missing).
-
-    flock on the directory itself: nothing is written into a directory before it is known to be
-    ours, the lock goes with the process on any exit (a crash leaves no stale lock to clean), and a
-    second run into the same directory (another process, or this one) is refused at once, naming
-    the holder's pid where the system tells it (flock_holder)."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.fd: int | None = None
-
-    def __enter__(self):
-        import fcntl
-
-        if self.folder.exists() and not self.folder.is_dir():
-            raise NotADirectoryError(f"output {self.folder} is a file, not a directory: give a directory with -o")
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = flock_holder(self.fd)
-            os.close(self.fd)
-            self.fd = None
-            raise OutputBusy(f"output {self.folder} is being written by another astrai run"
-                             + (f" (pid {holder})" if holder else "")
-                             + "; wait for it to finish or choose another output directory") from None
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing the last descriptor releases the flock
-            self.fd = None
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
