@@ -37,8 +37,8 @@ import torch
 
 from astrai.model.adapter_files import read_weights, save_weights
 from astrai.train.distributed import Dist, barrier, load_full_state, parameter_names
-from astrai.train.state_files import (CheckpointError, pickle_files, read_optimizer, read_rng, read_scheduler,
-                                      rng_files, write_optimizer, write_rng, write_scheduler)
+from astrai.train.state_files import (CheckpointError, pickle_files, read_checkpoint_json, read_optimizer, read_rng,
+                                      read_scheduler, rng_files, write_optimizer, write_rng, write_scheduler)
 
 STATE = "trainer_state.json"
 FORMAT = 2  # 1: the torch.save (pickle) files of older astrai
@@ -177,12 +177,7 @@ def refuse_pickles(path: Path):
 
 
 def read_state(path: Path) -> dict:
-    if not (path / STATE).is_file():
-        raise CheckpointError(f"{path / STATE}: not a regular file")
-    try:
-        saved = json.loads((path / STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / STATE}: unreadable ({e})") from None
+    saved = read_checkpoint_json(path / STATE)
     if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) and saved[k] >= 0 for k in _INTS):
         raise CheckpointError(f"{path / STATE}: needs non-negative integers {', '.join(_INTS)}")
     return saved
