@@ -51,6 +51,15 @@ FAMILIES: dict[str, Family] = {
 }
 ARCHITECTURES = {f.architecture: name for name, f in FAMILIES.items()}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+# The largest count a config may claim, per key: far above any released model (405B: 126 layers,
+# 128 heads, hidden 16384; 384 experts; a 262k vocabulary; 10M positions), low enough that what is
+# built per layer, expert, head or token id stays small. A config over one is refused by the key
+# before anything is built from it (config.json through astrai.model.hf_config, and any ModelConfig).
+LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 4096,
+          "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1 << 14,
+          "max_position_embeddings": 1 << 28, "sliding_window": 1 << 28, "num_local_experts": 4096,
+          "num_experts_per_tok": 4096, "moe_intermediate_size": 1 << 20, "decoder_sparse_step": 4096}
+MAX_TENSORS = 1 << 18  # weight tensors per model (a 61-layer, 384-expert model has 70k)
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ class ModelConfig:
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "decoder_sparse_step"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        self._check_limits()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -129,6 +139,17 @@ class ModelConfig:
             raise ValueError(f"the {self.family} family has no experts (num_local_experts must be 0)")
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_local_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_local_experts}")
+
+    def _check_limits(self):
+        for name, limit in LIMITS.items():
+            v = getattr(self, name)
+            if isinstance(v, int) and v > limit:
+                raise ValueError(f"{name} {v:,} is more than {limit:,}, beyond any model astrai runs")
+        tensors = self.num_hidden_layers * (16 + 3 * self.num_local_experts)
+        if tensors > MAX_TENSORS:
+            raise ValueError(f"num_hidden_layers {self.num_hidden_layers} with num_local_experts "
+                             f"{self.num_local_experts} is some {tensors:,} weight tensors, more than "
+                             f"{MAX_TENSORS:,}, beyond any model astrai runs")
 
     # ---- derived ------------------------------------------------------------------------------
 

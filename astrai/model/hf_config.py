@@ -33,7 +33,7 @@ import math
 from typing import Any, Optional
 
 from astrai.errors import ModelFileError
-from astrai.model.config import ACTIVATIONS, ARCHITECTURES, FAMILIES, FULL, SLIDING, ModelConfig
+from astrai.model.config import ACTIVATIONS, ARCHITECTURES, FAMILIES, FULL, LIMITS, SLIDING, ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # transformers' config class defaults for keys a config.json may leave out, per family
@@ -60,6 +60,8 @@ _DEFAULTS = {
 # HF keys that carry no computation but that users expect to survive a load/save round trip.
 _KEPT = ("torch_dtype", "dtype", "transformers_version", "use_cache", "max_window_layers", "sliding_window_pattern")
 _MISSING = object()
+_LIMIT_OF = {"num_experts": "num_local_experts", "max_window_layers": "num_hidden_layers",
+             "sliding_window_pattern": "num_hidden_layers"}  # HF keys bounded as ModelConfig's field
 
 
 class _Reader:
@@ -90,6 +92,9 @@ class _Reader:
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             self.fail(key, f"must be an integer >= {low}, got {v!r}")
+        limit = LIMITS.get(_LIMIT_OF.get(key, key))
+        if limit is not None and v > limit:
+            self.fail(key, f"{v:,} is more than {limit:,}, beyond any model astrai runs")
         return v
 
     def number(self, key: str, default: Any = _MISSING, positive: bool = True, d: Optional[dict] = None,
@@ -237,8 +242,8 @@ def _experts(d: dict, family: str, r: _Reader, layers: int) -> dict:
             r.fail("router_jitter_noise", f"{d['router_jitter_noise']!r}: router noise in training is not modelled")
         return out
     only = r.raw("mlp_only_layers", [])
-    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
-                                             for i in only):
+    if not isinstance(only, list) or len(only) > layers or \
+            not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only):
         r.fail("mlp_only_layers", f"must list layer indices in 0..{layers - 1}, got {only!r}")
     out.update(moe_intermediate_size=r.int("moe_intermediate_size"), norm_topk_prob=r.flag("norm_topk_prob"),
                decoder_sparse_step=r.int("decoder_sparse_step"), mlp_only_layers=tuple(only))
