@@ -18,7 +18,8 @@ are not config keys but code in transformers' modelling files:
                                        (norm_topk_prob); dense MLP layers by mlp_only_layers /
                                        decoder_sparse_step; experts gate/up/down_proj
 
-Reading and writing config.json is astrai.model.hf_config (ModelConfig.from_hf / to_hf). Presets
+Reading and writing config.json is astrai.model.hf_config (config_from_hf / config_to_hf), which
+imports this module, never the other way. Presets
 (`ModelConfig.preset("tiny")`) are named shapes for tests, benchmarks and recipes.
 """
 
@@ -189,19 +190,6 @@ class ModelConfig:
     def softmax_scale(self) -> Optional[float]:
         """Every layer's softmax scale; None for the usual 1/sqrt(head_dim)."""
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
-
-    # ---- Hugging Face config.json (astrai.model.hf_config) -------------------------------------
-
-    def to_hf(self) -> dict:
-        from astrai.model.hf_config import config_to_hf
-
-        return config_to_hf(self)
-
-    @classmethod
-    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
-        from astrai.model.hf_config import config_from_hf
-
-        return config_from_hf(d, source)
 
     # ---- presets -----------------------------------------------------------------------------
 
