@@ -141,3 +141,28 @@ def test_config_does_not_import_hf_config():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {m for m in imported if m and m.startswith("astrai.")}, imported
 
+
+def test_a_new_family_is_one_record(monkeypatch):
+    """A family's reading rules live in its Family record: a copy of Qwen2's under another name reads and
+    writes config.json the way Qwen2's does, with no code naming it."""
+    import dataclasses
+
+    import astrai.model.config as mc
+
+    monkeypatch.setitem(mc.FAMILIES, "myqwen", dataclasses.replace(mc.FAMILIES["qwen2"],
+                                                                    architecture="MyQwenForCausalLM"))
+    monkeypatch.setitem(mc.ARCHITECTURES, "MyQwenForCausalLM", "myqwen")
+    types = ("full_attention", "sliding_attention")
+    for family in ("qwen2", "myqwen"):
+        cfg = ModelConfig.preset("tiny", family=family, sliding_window=16, layer_types=types)
+        d = config_to_hf(cfg)
+        assert d["architectures"] == [mc.FAMILIES[family].architecture] and d["model_type"] == family
+        assert config_from_hf(d) == cfg
+        del d["layer_types"]  # read back from max_window_layers, as Qwen2's config class does
+        assert config_from_hf(d) == cfg
+    mine = config_to_hf(ModelConfig.preset("tiny", family="myqwen", sliding_window=16, layer_types=types))
+    theirs = config_to_hf(ModelConfig.preset("tiny", family="qwen2", sliding_window=16, layer_types=types))
+    assert {k: v for k, v in mine.items() if k not in ("architectures", "model_type")} == \
+        {k: v for k, v in theirs.items() if k not in ("architectures", "model_type")}
+    with pytest.raises(ValueError, match="attention_bias does not apply to the myqwen family"):
+        ModelConfig.preset("tiny", family="myqwen", attention_bias=True)
