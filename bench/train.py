@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 from astrai.config.train import LOSS_CHUNK, TrainOptions  # noqa: E402
-from astrai.model import AttentionContext, CausalLM, ModelConfig  # noqa: E402
+from astrai.model import AttentionContext, CausalLM, ModelConfig, config_to_hf  # noqa: E402
 from astrai.schema import IGNORE_INDEX  # noqa: E402
 from astrai.train.packed_attention import DocumentLoopContext  # noqa: E402
 from astrai.train.lm_loss import cross_entropy_sum, shift_targets  # noqa: E402
@@ -138,7 +138,7 @@ def step_hf(model, opt, batch):
 def hf_copy(model: CausalLM):
     import transformers
 
-    d = model.config.to_hf()
+    d = config_to_hf(model.config)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **{k: v for k, v in d.items() if k not in ("architectures", "model_type")}))
     hf.load_state_dict(model.state_dict(), strict=False)

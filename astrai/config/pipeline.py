@@ -84,6 +84,8 @@ class Preprocessing(StrictModel):
     min_chars: Optional[int] = Field(None, ge=0, description="drop records whose text is shorter (reason: too_short)")
     max_chars: Optional[int] = Field(None, gt=0, description="drop records whose text is longer (reason: too_long)")
     max_items: Optional[int] = Field(None, gt=0, description="read at most this many input records (in input order)")
+    max_record_bytes: int = Field(64 << 20, gt=0, description="longest JSONL line in bytes; a longer one is a "
+                                                              "located reject (record_too_large), never read whole")
     batch_size: int = Field(1000, gt=0, description="records per Arrow batch read and tokenized together")
     packing_strategy: Literal["none", "simple", "bfd", "bfd_split"] = Field(
         "none", description="none | simple (next-fit, input order) | bfd (best-fit decreasing) | bfd_split"

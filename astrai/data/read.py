@@ -13,7 +13,8 @@ always give the same partitions, in the same order, with the same names:
 
 Reading a partition yields batches of (record, where) pairs, where `where` is "LINE" for
 line-based files and "record N"/"row N" otherwise; a bad record comes back as a RecordError in
-place of the record so the caller decides (raise or skip) and counts it. With `keep(position)`
+place of the record so the caller decides (raise or skip) and counts it. A line longer than
+`max_record_bytes` is such a record (record_too_large), passed over unread (astrai.data.lines). With `keep(position)`
 (astrai.data.holdout) only some records are read; JSONL lines it skips are not even parsed. Memory is bounded by
 one batch (plus one row group or Arrow batch), whatever the input size.
 """
@@ -27,14 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
+from astrai.config.pipeline import Preprocessing
 from astrai.data.holdout import position
+from astrai.data.lines import TOO_DEEP, LongLine, bounded_lines, parse_json_line, records, skip_line, too_long
 from astrai.errors import InputError, RecordError, open_regular, regular_file
 from astrai.runtime import inside_output
 
 SUFFIX_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
                 ".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz",
                 ".jsonl.zst": "jsonl.zst", ".ndjson.zst": "jsonl.zst"}
-TOO_DEEP = "JSON nested too deeply to parse (over Python's recursion limit)"
+MAX_RECORD_BYTES = Preprocessing.model_fields["max_record_bytes"].default
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ def _jsonl_ranges(f: Path, partition_bytes: int, hasher=None):
                 yield start, size, line
                 return
             fh.seek(target)
-            fh.readline()  # move to the next line start
+            skip_line(fh)  # move to the next line start (a long line is never read whole)
             end = fh.tell()
             fh.seek(start)
             line_count = _count_newlines(fh, end - start, hasher)
@@ -241,11 +244,13 @@ def _count_newlines(fh, n: int, hasher=None) -> int:
 Item = tuple[Union[dict, RecordError], str]
 
 
-def read_partition(p: Partition, batch_size: int, keep=None) -> Iterator[list[Item]]:
+def read_partition(p: Partition, batch_size: int, keep=None,
+                   max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[list[Item]]:
     if p.kind.startswith("jsonl"):
-        items = (_read_jsonl if p.kind == "jsonl" else _read_jsonl_stream)(p, keep)
+        items = (_read_jsonl if p.kind == "jsonl" else _read_jsonl_stream)(p, keep, max_record_bytes)
     else:
-        items = {"json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow}[p.kind](p)
+        items = _read_json(p, max_record_bytes) if p.kind == "json" else \
+            {"parquet": _read_parquet, "arrow": _read_arrow}[p.kind](p)
         if keep is not None:
             items = (it for it in items if keep(position(it[1])))
     batch: list[Item] = []
@@ -266,29 +271,16 @@ def read_partition(p: Partition, batch_size: int, keep=None) -> Iterator[list[It
         yield batch
 
 
-def _read_jsonl(p: Partition, keep=None) -> Iterator[Item]:
-    line_no = p.first_where
+def _read_jsonl(p: Partition, keep, max_bytes: int) -> Iterator[Item]:
     with open(p.file, "rb") as fh:
         fh.seek(p.start)
-        pos = p.start
-        while pos < p.end:
-            raw = fh.readline()
-            if not raw:
-                break
-            pos += len(raw)
-            where = str(line_no)
-            line_no += 1
-            if not raw.strip() or (keep is not None and not keep(line_no - 2)):
-                continue  # blank lines are not records
-            yield _parse_json_line(raw, where), where
+        yield from records(bounded_lines(fh, max_bytes, p.end - p.start), p.first_where, keep, max_bytes)
 
 
-def _read_jsonl_stream(p: Partition, keep=None) -> Iterator[Item]:
+def _read_jsonl_stream(p: Partition, keep, max_bytes: int) -> Iterator[Item]:
     """Compressed JSONL, decompressed as a stream (never whole in memory), numbered like JSONL."""
     with _open_stream(p) as fh:
-        for line_no, raw in enumerate(fh, p.first_where):
-            if raw.strip() and (keep is None or keep(line_no - 1)):  # blank lines are not records
-                yield _parse_json_line(raw, str(line_no)), str(line_no)
+        yield from records(bounded_lines(fh, max_bytes), p.first_where, keep, max_bytes)
 
 
 def _open_stream(p: Partition):
@@ -307,25 +299,7 @@ def _open_stream(p: Partition):
     return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
 
 
-def _parse_json_line(raw: bytes, where: str):
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line")
-    if where == "1" and text.startswith("\ufeff"):
-        text = text[1:]  # a UTF-8 byte order mark (some editors write one) is not part of the record
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        return RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
-    except RecursionError:
-        return RecordError("too_deep", TOO_DEEP)
-    if not isinstance(rec, dict):
-        return RecordError("not_an_object", f"a record must be a JSON object, got {type(rec).__name__}")
-    return rec
-
-
-def _read_json(p: Partition) -> Iterator[Item]:
+def _read_json(p: Partition, max_bytes: int) -> Iterator[Item]:
     raw = Path(p.file).read_bytes()
     try:
         data = json.loads(raw.decode("utf-8-sig"))  # -sig: a byte order mark is not content
@@ -340,8 +314,10 @@ def _read_json(p: Partition) -> Iterator[Item]:
             # JSON Lines in a .json file (datasets' json loader reads both): one record per line,
             # not the whole file counted as a single invalid record
             for n, line in enumerate(raw.split(b"\n"), 1):
-                if line.strip():
-                    yield _parse_json_line(line, str(n)), str(n)
+                if len(line) > max_bytes:
+                    yield too_long(LongLine(len(line) + 1), max_bytes), str(n)
+                elif line.strip():
+                    yield parse_json_line(line, str(n)), str(n)
             return
         yield RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})"), str(e.lineno)
         return

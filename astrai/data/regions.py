@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from astrai.errors import RecordError
+from astrai.text.sandbox import MAX_VALUE, weight
 from astrai.text.template import REASONING_FIELDS, TemplateLimit, TemplateRaised
 
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
@@ -65,7 +66,10 @@ def render_with_regions(template, messages: list[dict], trained: list[bool], *, 
                                special_tokens=special_tokens, **kwargs)
     except TemplateRaised as e:
         raise RecordError("template_error", f"the chat template raised: {e}") from None
-    except TemplateLimit:  # a template past its size or time bounds is at fault, not the record: stop the run
+    except TemplateLimit as e:  # a template past its size or time bounds is at fault, not the record: stop the run,
+        if weight(messages) > MAX_VALUE:  # unless the record's own text is more than any rendered value may hold
+            raise RecordError("too_large", f"the messages hold more than the {MAX_VALUE:,} characters a chat "
+                                           f"template may render in one value ({e})") from None
         raise
     except Exception as e:  # a template bug (e.g. undefined attribute) is reported per record
         raise RecordError("template_error", f"the chat template failed: {type(e).__name__}: {e}") from None

@@ -11,6 +11,7 @@ _HOME = {
     **dict.fromkeys(("AttentionContext", "CausalContext", "causal_sdpa"), "attention"),
     **dict.fromkeys(("load_model", "read_config", "save_model"), "hf_checkpoint"),
     **dict.fromkeys(("FAMILIES", "PRESETS", "ModelConfig"), "config"),
+    **dict.fromkeys(("config_from_hf", "config_to_hf"), "hf_config"),
     **dict.fromkeys(("Rotary", "apply_rotary", "inv_freq"), "rope"),
     **dict.fromkeys(("CausalLM", "load_balancing_loss"), "transformer"),
 }

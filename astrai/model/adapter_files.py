@@ -12,17 +12,21 @@ so the base is never copied. `save_adapter` writes both atomically (temporary na
 `load_checkpoint(DIR, base=None)` is what generation, eval and a train stage's `model:` use: a plain
 checkpoint loads as is; an adapter directory loads its base (`base`, else base_model_name_or_path:
 absolute, or relative to the adapter directory, then to the working directory) and merges the
-adapters into it (W + alpha/r * B @ A; `use_rslora` adapters: alpha/sqrt(r)). Everything the
-adapter needs from the base is checked first, against the base's config.json alone, and a
-mismatch is one line (AdapterError): another architecture, a target module the base lacks, a
-tensor whose shape does not fit the base's layer, a PEFT feature we do not compute (DoRA, biases,
-per-module ranks, modules_to_save).
+adapters into it (W + alpha/r * B @ A; `use_rslora` adapters: alpha/sqrt(r)). The adapter's files
+are untrusted input, read as a checkpoint's are (regular files only, bounded JSON, the safetensors
+header checked against the file before any tensor: astrai.model.checkpoint_files), and everything
+the adapter needs from the base is checked before a weight is read, against the base's config.json
+alone: adapter_config.json's values (astrai.model.adapter_config), another architecture, a target
+module the base lacks, a tensor for a module target_modules does not select, an A without its B,
+a shape that does not fit the base's layer, tensors that would not fit in memory. Then the adapter's
+tensors are checked finite, and each merged weight too (a scaling that overflows the weights'
+dtype). Every refusal is one line (AdapterError, a ModelFileError) naming the file and the key or
+tensor.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
@@ -30,23 +34,24 @@ from typing import Optional, Union
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from astrai.model.adapter_config import ADAPTER_CONFIG, AdapterConfig, AdapterError, read_adapter_config, suffixes
+from astrai.model.checkpoint_files import FLOAT_DTYPES, TensorInfo, read_header_and_metadata
 from astrai.model.config import ModelConfig
 from astrai.model.hf_checkpoint import CONFIG, load_model, read_config, read_tensors, save_model
 from astrai.runtime import atomic_write_text, fresh_tmp, fsync_replace
 from astrai.model.lora import Adapter, adapter_state, has_adapters, merge_weight
 from astrai.model.transformer import CausalLM
+from astrai.model.weights import available_memory, nonfinite
 
-ADAPTER_CONFIG = "adapter_config.json"
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "check_adapter", "is_adapter", "load_checkpoint",
+           "read_adapter", "read_adapter_config", "read_adapter_header", "resolve_base", "save_adapter"]
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _ARCH_KEY = "astrai.base_architecture"
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be applied to the base it was given (one line: what and where)."""
 
 
 def is_adapter(directory: Union[str, os.PathLike]) -> bool:
@@ -71,7 +76,7 @@ def save_adapter(model: CausalLM, directory: Union[str, os.PathLike], state: Opt
     out.mkdir(parents=True, exist_ok=True)
     sd = adapter_state(model.state_dict() if state is None else state)
     tensors = {PREFIX + k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-    arch = (model.config.to_hf().get("architectures") or [""])[0]
+    arch = model.config.architecture
     weights = out / ADAPTER_WEIGHTS
     tmp = fresh_tmp(weights)
     save_file(tensors, str(tmp), metadata={"format": "pt", _ARCH_KEY: arch})
@@ -82,48 +87,61 @@ def save_adapter(model: CausalLM, directory: Union[str, os.PathLike], state: Opt
 
 # ---- reading ----------------------------------------------------------------------------------
 
-def read_adapter_config(directory: Union[str, os.PathLike]) -> dict:
-    path = Path(directory) / ADAPTER_CONFIG
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{path}: not a readable adapter config ({e})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterError(f"{path}: expected a JSON object")
-    return cfg
+def _model_name(key: str) -> str:
+    """PEFT's file key -> the model's own name (`base_model.model.` dropped, `.lora_A.default.weight`
+    -> `.lora_A.weight`)."""
+    name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    return re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", name)
 
 
-def read_adapter(directory: Union[str, os.PathLike]) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors under the model's own names, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight`;
-    the file's metadata)."""
+def read_adapter_header(directory: Union[str, os.PathLike]) -> tuple[dict[str, TensorInfo], dict]:
+    """(the tensors adapter_model.safetensors declares, under the model's own names, e.g.
+    `model.layers.0.self_attn.q_proj.lora_A.weight`; its metadata). Only the header is read, from a
+    regular file, checked against the file's size (astrai.model.checkpoint_files)."""
     path = Path(directory) / ADAPTER_WEIGHTS
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise AdapterError(f"{directory}: {ADAPTER_CONFIG} without {ADAPTER_WEIGHTS} (a pickled adapter_model.bin "
                            f"is never loaded)")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {}
-        for key in f.keys():
-            name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-            name = re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", name)  # `.lora_A.default.weight`
-            tensors[name] = f.get_tensor(key)
+    infos, meta = read_header_and_metadata(path)
+    out: dict[str, TensorInfo] = {}
+    for key, info in infos.items():
+        name = _model_name(key)
+        if name in out:
+            raise AdapterError(f"{path}: tensors {out[name].name!r} and {key!r} are both {name!r}")
+        out[name] = info
+    return out, meta
+
+
+def read_adapter(directory: Union[str, os.PathLike],
+                 infos: Optional[dict[str, TensorInfo]] = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the tensors under the model's own names, each checked finite; the file's metadata)."""
+    meta = {}
+    if infos is None:
+        infos, meta = read_adapter_header(directory)
+    path = Path(directory) / ADAPTER_WEIGHTS
+    tensors = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name, info in infos.items():
+                tensors[name] = f.get_tensor(info.name)
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"{path}: cannot read its tensors: {e}") from None
+    for name, t in tensors.items():
+        if nonfinite(t):
+            raise AdapterError(f"{path}: tensor {PREFIX}{name} holds NaN or infinite values")
     return tensors, meta
 
 
-def scaling_of(cfg: dict) -> float:
-    r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
-    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-
-
-def resolve_base(directory: Union[str, os.PathLike], base: Optional[Union[str, os.PathLike]] = None) -> Path:
+def resolve_base(directory: Union[str, os.PathLike], base: Optional[Union[str, os.PathLike]] = None,
+                 cfg: Optional[AdapterConfig] = None) -> Path:
     """The base checkpoint of an adapter: `base` when given, else its base_model_name_or_path."""
     directory = Path(directory)
     if base is not None:
         tried = [Path(base).expanduser()]
     else:
-        name = read_adapter_config(directory).get("base_model_name_or_path")
+        name = (cfg or read_adapter_config(directory)).base
         if not name:
-            raise AdapterError(f"{directory}: {ADAPTER_CONFIG} names no base_model_name_or_path; give the base "
+            raise AdapterError(f"{directory / ADAPTER_CONFIG}: base_model_name_or_path: missing; give the base "
                                f"checkpoint with --base DIR")
         p = Path(name).expanduser()
         tried = [p] if p.is_absolute() else [directory / p, Path.cwd() / p]
@@ -134,66 +152,80 @@ def resolve_base(directory: Union[str, os.PathLike], base: Optional[Union[str, o
                        f"give it with --base DIR")
 
 
-_UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "layers_to_transform": "layers_to_transform",
-                "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern", "fan_in_fan_out": "fan_in_fan_out",
-                "trainable_token_indices": "trainable_token_indices", "target_parameters": "target_parameters"}
-
-
 def check_adapter(directory: Union[str, os.PathLike], base: Union[str, os.PathLike],
-                  tensors: Optional[dict] = None, meta: Optional[dict] = None) -> dict:
-    """Raise AdapterError unless the adapter fits the base (read from its config.json alone: no
-    weights are loaded). Returns the adapter config."""
-    cfg = read_adapter_config(directory)
-    where = f"adapter {directory}"
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{where}: peft_type {cfg.get('peft_type')!r}; only LORA adapters are supported")
-    for key, what in _UNSUPPORTED.items():
-        if cfg.get(key):
-            raise AdapterError(f"{where}: uses {what}, which astrai does not compute")
-    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
-        raise AdapterError(f"{where}: trains biases (bias: {cfg.get('bias')!r}), which astrai does not compute")
-    if tensors is None:
-        tensors, meta = read_adapter(directory)
+                  cfg: Optional[AdapterConfig] = None, infos: Optional[dict[str, TensorInfo]] = None,
+                  meta: Optional[dict] = None) -> AdapterConfig:
+    """Raise AdapterError unless the adapter fits the base: its config and tensor headers against the
+    base's config.json alone (no weight is read). Returns the adapter config."""
+    cfg = cfg or read_adapter_config(directory)
+    if infos is None:
+        infos, meta = read_adapter_header(directory)
+    where, weights = f"adapter {directory}", Path(directory) / ADAPTER_WEIGHTS
     config = read_config(base)
-    arch = (json.loads((Path(base) / CONFIG).read_text()).get("architectures") or [""])[0]
-    if meta and meta.get(_ARCH_KEY) and arch and meta[_ARCH_KEY] != arch:
-        raise AdapterError(f"{where} was trained on a {meta[_ARCH_KEY]}, but base {base} is a {arch}")
+    if meta and meta.get(_ARCH_KEY) and meta[_ARCH_KEY] != config.architecture:
+        raise AdapterError(f"{where} was trained on a {meta[_ARCH_KEY]}, but base {base} is a {config.architecture}")
     with torch.device("meta"):
         layers = {n: m for n, m in CausalLM(config).named_modules() if isinstance(m, nn.Linear)}
-    names = {n.rsplit(".", 1)[-1] for n in layers}
-    targets = cfg.get("target_modules") or []
-    if isinstance(targets, str):  # PEFT: a regex over the full module name
-        if not any(re.fullmatch(targets, n) for n in layers):
-            raise AdapterError(f"{where}: target_modules {targets!r} matches no linear layer of base {base}")
-    else:
-        missing = sorted(set(targets) - names)
+    chosen = set(cfg.selects(sorted(layers)))
+    if not chosen:
+        names = sorted({n.rsplit(".", 1)[-1] for n in layers})
+        raise AdapterError(f"{cfg.path}: target_modules: {_shown(cfg.raw.get('target_modules'))} selects no linear "
+                           f"layer of base {base} (its linear layers: {', '.join(names)})")
+    if isinstance(cfg.targets, tuple):
+        present = set().union(*map(suffixes, layers))
+        missing = sorted(set(cfg.targets) - present)
         if missing:
-            raise AdapterError(f"{where}: target modules {missing} do not exist in base {base} (its linear layers: "
-                               f"{', '.join(sorted(names))})")
-    if not tensors:
-        raise AdapterError(f"{where}: {ADAPTER_WEIGHTS} holds no tensors")
-    r = cfg.get("r")
-    for key, t in sorted(tensors.items()):
+            names = sorted({n.rsplit(".", 1)[-1] for n in layers})
+            raise AdapterError(f"{cfg.path}: target_modules: {_shown(missing)} do not exist in base {base} (its "
+                               f"linear layers: {', '.join(names)})")
+    if config.tie_word_embeddings and "lm_head" in chosen:
+        raise AdapterError(f"{cfg.path}: target_modules selects lm_head, whose weight base {base} ties to its input "
+                           f"embeddings: merging it would change them too")
+    if not infos:
+        raise AdapterError(f"{weights}: holds no tensors")
+    for key, info in sorted(infos.items()):
         module, _, kind = key.rpartition(".lora_")
         layer = layers.get(module)
         if layer is None or kind not in ("A.weight", "B.weight"):
             raise AdapterError(f"{where}: tensor {PREFIX}{key} names no linear layer of base {base}")
-        want = (r, layer.in_features) if kind == "A.weight" else (layer.out_features, r)
-        if tuple(t.shape) != want:
-            raise AdapterError(f"{where}: tensor {PREFIX}{key} is {list(t.shape)}, but base {base} needs {list(want)} "
-                               f"(r={r}, {layer.in_features} -> {layer.out_features})")
+        if module not in chosen:
+            raise AdapterError(f"{where}: tensor {PREFIX}{key} is for {module}, which target_modules does not select")
+        if info.dtype not in FLOAT_DTYPES:
+            raise AdapterError(f"{weights}: tensor {PREFIX}{key} is {info.dtype}, not floating point")
+        want = (cfg.r, layer.in_features) if kind == "A.weight" else (layer.out_features, cfg.r)
+        if info.shape != want:
+            raise AdapterError(f"{where}: tensor {PREFIX}{key} is {list(info.shape)}, but base {base} needs "
+                               f"{list(want)} (r={cfg.r}, {layer.in_features} -> {layer.out_features})")
+    lacking = [f"{PREFIX}{m}.lora_{k}.weight" for m in sorted(chosen) for k in "AB" if f"{m}.lora_{k}.weight" not in infos]
+    if lacking:
+        raise AdapterError(f"{weights}: {len(lacking)} tensor(s) of the modules target_modules selects are missing: "
+                           f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}")
+    need, have = sum(i.numel for i in infos.values()) * 4, available_memory()
+    if have is not None and need > have:
+        raise AdapterError(f"{weights}: its tensors need {need / 2 ** 30:,.1f} GiB in float32 but the machine has "
+                           f"{have / 2 ** 30:,.1f} GiB available")
     return cfg
 
 
-def merge_adapter(model: CausalLM, cfg: dict, tensors: dict[str, torch.Tensor]):
-    """Add each adapter's scaled B @ A into its base weight (in place, no copy of the model)."""
-    scaling = scaling_of(cfg)
+def _shown(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def merge_adapter(model: CausalLM, cfg: AdapterConfig, tensors: dict[str, torch.Tensor]):
+    """Add each adapter's scaled B @ A into its base weight (in place, no copy of the model); a merged
+    weight that is not finite (an update too large for the weights' dtype) is refused by name."""
     modules = dict(model.named_modules())
     with torch.no_grad():
         for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
             module = key[: -len(".lora_A.weight")]
             w = modules[module].weight
-            w.copy_(merge_weight(w, tensors[key].to(w.device), tensors[f"{module}.lora_B.weight"].to(w.device), scaling))
+            merged = merge_weight(w, tensors[key].to(w.device), tensors[f"{module}.lora_B.weight"].to(w.device),
+                                  cfg.scaling)
+            if nonfinite(merged):
+                raise AdapterError(f"{cfg.path}: merging the adapter of {module} (scaling {cfg.scaling:.4g}) gives "
+                                   f"non-finite weights in {str(w.dtype)[6:]}")
+            w.copy_(merged)
 
 
 def load_checkpoint(path: Union[str, os.PathLike], base: Optional[Union[str, os.PathLike]] = None,
@@ -203,9 +235,11 @@ def load_checkpoint(path: Union[str, os.PathLike], base: Optional[Union[str, os.
         if base is not None:
             raise AdapterError(f"{path} is a full checkpoint, not an adapter directory: --base applies to adapters")
         return load_model(path, dtype=dtype, device=device)
-    base_dir = resolve_base(path, base)
-    tensors, meta = read_adapter(path)
-    cfg = check_adapter(path, base_dir, tensors, meta)
+    cfg = read_adapter_config(path)
+    base_dir = resolve_base(path, base, cfg)
+    infos, meta = read_adapter_header(path)
+    check_adapter(path, base_dir, cfg, infos, meta)
+    tensors, _ = read_adapter(path, infos)
     model = load_model(base_dir, dtype=dtype, device=device)
     merge_adapter(model, cfg, tensors)
     return model

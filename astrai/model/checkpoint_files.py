@@ -3,7 +3,8 @@
 - Only regular files are opened (astrai.errors.open_regular, raising ModelFileError): a FIFO or a
   device named model.safetensors is refused at once instead of blocking or streaming forever (the
   open itself does not block).
-- JSON files (config.json, model.safetensors.index.json) are read up to MAX_JSON_BYTES.
+- JSON files (config.json, model.safetensors.index.json) are read up to MAX_JSON_BYTES, and nested at
+  most astrai.json_bounded.MAX_DEPTH levels (the safetensors header too).
 - A safetensors header is parsed and checked before any tensor is read (`read_header`): its
   length against the file size, valid JSON, each entry's dtype, shape and offsets, the offsets
   tiling the data area exactly (what the safetensors library itself requires), so a truncated or
@@ -20,13 +21,13 @@ Every refusal is a ModelFileError (astrai.errors) naming the file.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from astrai import json_bounded
 from astrai.errors import ModelFileError, open_regular
 
 CONFIG = "config.json"
@@ -43,16 +44,7 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def read_json(path: os.PathLike | str, what: str = "JSON file") -> Any:
-    with open_regular(path, "rb", what, error=ModelFileError) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_JSON_BYTES:
-            raise ModelFileError(f"{path}: {size:,} bytes, more than a {what} can reasonably hold "
-                                 f"({MAX_JSON_BYTES:,})")
-        raw = f.read()
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{path}: not valid JSON: {e}") from None
+    return json_bounded.read_json(path, what, MAX_JSON_BYTES, error=ModelFileError)
 
 
 @dataclass(frozen=True)
@@ -69,6 +61,11 @@ class TensorInfo:
 
 def read_header(path: os.PathLike | str) -> dict[str, TensorInfo]:
     """The tensors a safetensors file declares, checked against the file's size; no data is read."""
+    return read_header_and_metadata(path)[0]
+
+
+def read_header_and_metadata(path: os.PathLike | str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """read_header's tensors, and the file's __metadata__ (string keys and values, as the format says)."""
     path = Path(path)
     with open_regular(path, "rb", "weights file", error=ModelFileError) as f:
         size = os.fstat(f.fileno()).st_size
@@ -80,13 +77,12 @@ def read_header(path: os.PathLike | str) -> dict[str, TensorInfo]:
             raise ModelFileError(f"{path}: header length {n:,} is larger than the file ({size:,} bytes): "
                                  f"truncated or not a safetensors file")
         raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+    header = json_bounded.loads(raw, f"{path}: the safetensors header", "safetensors header", ModelFileError)
     if not isinstance(header, dict):
         raise ModelFileError(f"{path}: the safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ModelFileError(f"{path}: the safetensors header's __metadata__ must map strings to strings")
     data = size - 8 - n
     infos, spans = {}, []
     for name, e in header.items():
@@ -114,7 +110,7 @@ def read_header(path: os.PathLike | str) -> dict[str, TensorInfo]:
         end = stop
     if end != data:
         raise ModelFileError(f"{path}: the tensors cover {end:,} of the file's {data:,} data bytes")
-    return infos
+    return infos, metadata
 
 
 def _refuse_without_safetensors(d: Path):

@@ -18,8 +18,10 @@ are not config keys but code in transformers' modelling files:
                                        (norm_topk_prob); dense MLP layers by mlp_only_layers /
                                        decoder_sparse_step; experts gate/up/down_proj
 
-Reading and writing config.json is astrai.model.hf_config (ModelConfig.from_hf / to_hf). Presets
-(`ModelConfig.preset("tiny")`) are named shapes for tests, benchmarks and recipes.
+Each family's record (Family) holds these traits and the rules its config.json is read and written
+by; the reading and writing is astrai.model.hf_config (config_from_hf / config_to_hf), which
+imports this module, never the other way. Presets (`ModelConfig.preset("tiny")`) are named shapes
+for tests, benchmarks and recipes.
 """
 
 from __future__ import annotations
@@ -33,24 +35,70 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 @dataclass(frozen=True)
 class Family:
+    """One decoder family: what it computes beyond the config's keys, and how its config.json reads
+    (transformers' config class for it). Adding a family is adding one record."""
     architecture: str
     qkv_bias: bool = False   # q/k/v projections always carry a bias, o_proj none (Qwen2)
     qk_norm: bool = False    # RMSNorm over head_dim on q and k, before RoPE
-    gemma: bool = False      # Gemma's norms, embedding scale, sandwich norms and softmax scale
+    gemma: bool = False      # Gemma's norms, embedding scale, sandwich norms and softmax scale, and its keys:
+    #                          query_pre_attn_scalar, final_logit_softcapping, a local RoPE, a window it needs
     moe: Optional[str] = None  # expert layout: "mixtral" or "qwen3_moe"
+    with_experts: Optional[str] = None  # the family this one becomes with num_local_experts > 0
+    bias_keys: tuple = ()    # optional bias switches its config reads: attention_bias (q/k/v/o), mlp_bias
+    act_key: str = "hidden_act"  # the key naming the MLP's activation
+    windows: Optional[str] = None  # None: no sliding window; "every": every layer slides (layer_types ignored);
+    #                                "max_window_layers" / "sliding_window_pattern": per layer, from layer_types
+    #                                or else from that key
+    window_switch: bool = False  # the window applies only with use_sliding_window: true
+    defaults: dict = field(default_factory=dict, compare=False)  # its config class's values for absent keys
+    written: dict = field(default_factory=dict, compare=False)   # constant keys its config class expects
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM"),
-    "mistral": Family("MistralForCausalLM"),
-    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True),
-    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
-    "gemma3_text": Family("Gemma3ForCausalLM", qk_norm=True, gemma=True),
-    "mixtral": Family("MixtralForCausalLM", moe="mixtral"),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, moe="qwen3_moe"),
+    "llama": Family("LlamaForCausalLM", with_experts="mixtral", bias_keys=("attention_bias", "mlp_bias"),
+                    defaults=dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048,
+                                  tie_word_embeddings=False),
+                    written=dict(pretraining_tp=1)),
+    "mistral": Family("MistralForCausalLM", windows="every",
+                      defaults=dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=131072,
+                                    num_key_value_heads=8, sliding_window=4096, tie_word_embeddings=False)),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, windows="max_window_layers", window_switch=True,
+                    defaults=dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
+                                  sliding_window=4096, max_window_layers=28, tie_word_embeddings=False)),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, bias_keys=("attention_bias",), windows="max_window_layers",
+                    window_switch=True,
+                    defaults=dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
+                                  sliding_window=4096, max_window_layers=28, head_dim=128, tie_word_embeddings=False)),
+    "gemma3_text": Family("Gemma3ForCausalLM", qk_norm=True, gemma=True, bias_keys=("attention_bias",),
+                          act_key="hidden_activation", windows="sliding_window_pattern",
+                          defaults=dict(rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                                        head_dim=256, max_position_embeddings=131072, num_key_value_heads=4,
+                                        sliding_window=4096, query_pre_attn_scalar=256, sliding_window_pattern=6,
+                                        tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+                          written=dict(attn_logit_softcapping=None, use_bidirectional_attention=False)),
+    "mixtral": Family("MixtralForCausalLM", moe="mixtral", windows="every",
+                      defaults=dict(rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072,
+                                    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                                    router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False),
+                      written=dict(router_jitter_noise=0.0)),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, moe="qwen3_moe", bias_keys=("attention_bias",),
+                        windows="every", window_switch=True,
+                        defaults=dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
+                                      num_key_value_heads=4, sliding_window=4096, num_local_experts=128,
+                                      num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                                      decoder_sparse_step=1, router_aux_loss_coef=0.001, tie_word_embeddings=False)),
 }
 ARCHITECTURES = {f.architecture: name for name, f in FAMILIES.items()}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+# The largest count a config may claim, per key: far above any released model (405B: 126 layers,
+# 128 heads, hidden 16384; 384 experts; a 262k vocabulary; 10M positions), low enough that what is
+# built per layer, expert, head or token id stays small. A config over one is refused by the key
+# before anything is built from it (config.json through astrai.model.hf_config, and any ModelConfig).
+LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 4096,
+          "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1 << 14,
+          "max_position_embeddings": 1 << 28, "sliding_window": 1 << 28, "num_local_experts": 4096,
+          "num_experts_per_tok": 4096, "moe_intermediate_size": 1 << 20, "decoder_sparse_step": 4096}
+MAX_TENSORS = 1 << 18  # weight tensors per model (a 61-layer, 384-expert model has 70k)
 
 
 @dataclass(frozen=True)
@@ -91,10 +139,10 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, compare=False)  # HF keys kept verbatim on round trip
 
     def __post_init__(self):
-        if self.family == "llama" and self.num_local_experts > 0:
-            object.__setattr__(self, "family", "mixtral")  # the Mixtral layout, as a Llama with experts
         if self.family not in FAMILIES:
             raise ValueError(f"model family {self.family!r} is not one of {', '.join(FAMILIES)}")
+        if self.num_local_experts > 0 and self.traits.with_experts:  # a Llama with experts is a Mixtral
+            object.__setattr__(self, "family", self.traits.with_experts)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
         if self.layer_types is not None:  # one spelling per meaning: None when no layer or every layer slides
@@ -106,6 +154,7 @@ class ModelConfig:
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "decoder_sparse_step"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        self._check_limits()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -119,16 +168,26 @@ class ModelConfig:
                                              or not set(self.layer_types) <= {FULL, SLIDING}):
             raise ValueError(f"layer_types must list {FULL!r} or {SLIDING!r} for each of the "
                              f"{self.num_hidden_layers} layers, got {list(self.layer_types)}")
-        if self.attention_bias and self.family in ("qwen2", "mistral", "mixtral"):
-            raise ValueError(f"attention_bias does not apply to the {self.family} family (its biases are fixed)")
-        if self.mlp_bias and self.family != "llama":
-            raise ValueError(f"mlp_bias applies to the llama family only, not {self.family}")
+        for key in ("attention_bias", "mlp_bias"):
+            if getattr(self, key) and key not in self.traits.bias_keys:
+                raise ValueError(f"{key} does not apply to the {self.family} family (its biases are fixed)")
         if self.traits.moe == "mixtral" and not self.is_moe:
             raise ValueError("a mixtral model needs num_local_experts >= 1")
         if self.is_moe and not self.traits.moe:
             raise ValueError(f"the {self.family} family has no experts (num_local_experts must be 0)")
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_local_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_local_experts}")
+
+    def _check_limits(self):
+        for name, limit in LIMITS.items():
+            v = getattr(self, name)
+            if isinstance(v, int) and v > limit:
+                raise ValueError(f"{name} {v:,} is more than {limit:,}, beyond any model astrai runs")
+        tensors = self.num_hidden_layers * (16 + 3 * self.num_local_experts)
+        if tensors > MAX_TENSORS:
+            raise ValueError(f"num_hidden_layers {self.num_hidden_layers} with num_local_experts "
+                             f"{self.num_local_experts} is some {tensors:,} weight tensors, more than "
+                             f"{MAX_TENSORS:,}, beyond any model astrai runs")
 
     # ---- derived ------------------------------------------------------------------------------
 
@@ -168,19 +227,6 @@ class ModelConfig:
     def softmax_scale(self) -> Optional[float]:
         """Every layer's softmax scale; None for the usual 1/sqrt(head_dim)."""
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
-
-    # ---- Hugging Face config.json (astrai.model.hf_config) -------------------------------------
-
-    def to_hf(self) -> dict:
-        from astrai.model.hf_config import config_to_hf
-
-        return config_to_hf(self)
-
-    @classmethod
-    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
-        from astrai.model.hf_config import config_from_hf
-
-        return config_from_hf(d, source)
 
     # ---- presets -----------------------------------------------------------------------------
 

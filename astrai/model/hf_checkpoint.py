@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from astrai.errors import ModelFileError
 from astrai.model.checkpoint_files import CONFIG, INDEX, WEIGHTS, read_headers, read_json
 from astrai.model.config import ModelConfig
+from astrai.model.hf_config import config_from_hf, config_to_hf
 from astrai.model.transformer import CausalLM
 from astrai.runtime import atomic_write_text, fresh_tmp, fsync_replace
 from astrai.model.weights import (IGNORED_SUFFIXES, available_memory, check_tensors, nonfinite, split_tensor,
@@ -61,7 +62,7 @@ def save_model(model: CausalLM, directory: Union[str, os.PathLike], state: Optio
     save_file(sd, str(tmp), metadata={"format": "pt"})
     fsync_replace(tmp, weights)
     (out / INDEX).unlink(missing_ok=True)  # a stale shard index would shadow the single file
-    hf = model.config.to_hf()
+    hf = config_to_hf(model.config)
     hf["torch_dtype"] = _DTYPE_NAMES.get(dtype, "float32")
     if "dtype" in hf:
         hf["dtype"] = hf["torch_dtype"]
@@ -76,7 +77,7 @@ def read_config(directory: Union[str, os.PathLike]) -> ModelConfig:
         raise ModelFileError(f"{d}: not a checkpoint directory (config.json + model.safetensors)")
     if not (d / CONFIG).exists():
         raise ModelFileError(f"{d / CONFIG}: no config.json; expected a Hugging Face model directory")
-    return ModelConfig.from_hf(read_json(d / CONFIG, "config.json"), str(d / CONFIG))
+    return config_from_hf(read_json(d / CONFIG, "config.json"), str(d / CONFIG))
 
 
 def _read(headers: dict, keep=lambda name: True) -> dict[str, torch.Tensor]:

@@ -6,7 +6,10 @@ keys, `rope_parameters` or the older `rope_theta` + `rope_scaling`, Gemma 3's pe
 Gemma 3's `layer_types` or `sliding_window_pattern`) and checks every value it uses: a wrong type,
 a value out of range, or a key that changes the computation in a way astrai does not model raises
 ModelFileError naming the file and the key. `config_to_hf(c)` writes the keys the family's
-transformers config class expects, so the checkpoint loads there as the same architecture.
+transformers config class expects, so the checkpoint loads there as the same architecture. What
+differs from family to family (defaults for absent keys, the activation's key, the bias switches,
+the sliding-window style, constant keys) is read from its Family record (astrai.model.config);
+this module imports that one, never the other way.
 
 Keys checked (beyond the shape keys, which must be positive integers):
   refused when set: quantization_config; attention_dropout != 0; partial_rotary_factor != 1;
@@ -33,33 +36,14 @@ import math
 from typing import Any, Optional
 
 from astrai.errors import ModelFileError
-from astrai.model.config import ACTIVATIONS, ARCHITECTURES, FAMILIES, FULL, SLIDING, ModelConfig
+from astrai.model.config import ACTIVATIONS, ARCHITECTURES, FAMILIES, FULL, LIMITS, SLIDING, Family, ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# transformers' config class defaults for keys a config.json may leave out, per family
-_DEFAULTS = {
-    "llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False),
-    "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=131072, num_key_value_heads=8,
-                    sliding_window=4096, tie_word_embeddings=False),
-    "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, sliding_window=4096,
-                  max_window_layers=28, tie_word_embeddings=False),
-    "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, sliding_window=4096,
-                  max_window_layers=28, head_dim=128, tie_word_embeddings=False),
-    "gemma3_text": dict(rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0, head_dim=256,
-                        max_position_embeddings=131072, num_key_value_heads=4, sliding_window=4096,
-                        query_pre_attn_scalar=256, sliding_window_pattern=6, tie_word_embeddings=True,
-                        hidden_activation="gelu_pytorch_tanh"),
-    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072, num_key_value_heads=8,
-                    num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001, sliding_window=None,
-                    tie_word_embeddings=False),
-    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, num_key_value_heads=4,
-                      sliding_window=4096, num_local_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                      norm_topk_prob=False, decoder_sparse_step=1, router_aux_loss_coef=0.001,
-                      tie_word_embeddings=False),
-}
 # HF keys that carry no computation but that users expect to survive a load/save round trip.
 _KEPT = ("torch_dtype", "dtype", "transformers_version", "use_cache", "max_window_layers", "sliding_window_pattern")
 _MISSING = object()
+_LIMIT_OF = {"num_experts": "num_local_experts", "max_window_layers": "num_hidden_layers",
+             "sliding_window_pattern": "num_hidden_layers"}  # HF keys bounded as ModelConfig's field
 
 
 class _Reader:
@@ -90,6 +74,9 @@ class _Reader:
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             self.fail(key, f"must be an integer >= {low}, got {v!r}")
+        limit = LIMITS.get(_LIMIT_OF.get(key, key))
+        if limit is not None and v > limit:
+            self.fail(key, f"{v:,} is more than {limit:,}, beyond any model astrai runs")
         return v
 
     def number(self, key: str, default: Any = _MISSING, positive: bool = True, d: Optional[dict] = None,
@@ -174,13 +161,13 @@ def _rope_params(p: Any, key: str, r: _Reader, theta: Optional[float]) -> tuple[
     return theta, {"rope_type": kind, **p}
 
 
-def _rope(d: dict, family: str, r: _Reader) -> dict:
+def _rope(d: dict, t: Family, r: _Reader) -> dict:
     scaling, params = d.get("rope_scaling"), d.get("rope_parameters")
     top_theta = r.number("rope_theta", r.defaults["rope_theta"])
     if r.raw("partial_rotary_factor", 1.0) != 1.0:
         r.fail("partial_rotary_factor", f"{d['partial_rotary_factor']!r}: partial rotary embeddings are not modelled")
     nested = isinstance(params, dict) and (FULL in params or SLIDING in params)
-    if family == "gemma3_text":
+    if t.gemma:  # a RoPE per layer type: rope_parameters.full_attention / sliding_attention, rope_local_base_freq
         glob = dict(params.get(FULL) or {}) if nested else dict(params or {})
         if scaling is not None:
             if not isinstance(scaling, dict):
@@ -199,18 +186,16 @@ def _rope(d: dict, family: str, r: _Reader) -> dict:
     return dict(rope_theta=theta, rope_scaling=glob_scaling)
 
 
-def _windows(d: dict, family: str, r: _Reader, layers: int) -> dict:
-    if family == "llama":
+def _windows(d: dict, t: Family, r: _Reader, layers: int) -> dict:
+    if t.windows is None or t.window_switch and not r.flag("use_sliding_window", False):
         return {}
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not r.flag("use_sliding_window", False):
-        return {}
-    if family == "gemma3_text" and "sliding_window" in d and d["sliding_window"] is None:
+    if t.gemma and "sliding_window" in d and d["sliding_window"] is None:
         r.fail("sliding_window", "null: Gemma 3's local layers need a window")
     window = r.int("sliding_window", r.defaults.get("sliding_window"), nullable=True)
-    if window is None or family in ("mistral", "mixtral", "qwen3_moe"):
+    if window is None or t.windows == "every":
         return dict(sliding_window=window)  # every layer (these classes ignore layer_types)
     types = d.get("layer_types")
-    if types is None and family == "gemma3_text":
+    if types is None and t.windows == "sliding_window_pattern":
         pattern = r.int("sliding_window_pattern")
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
     elif types is None:
@@ -221,8 +206,8 @@ def _windows(d: dict, family: str, r: _Reader, layers: int) -> dict:
     return dict(sliding_window=window, layer_types=tuple(types))
 
 
-def _experts(d: dict, family: str, r: _Reader, layers: int) -> dict:
-    moe = FAMILIES[family].moe
+def _experts(d: dict, t: Family, r: _Reader, layers: int) -> dict:
+    moe = t.moe
     if moe is None:
         return {}
     key = "num_experts" if d.get("num_experts") is not None else "num_local_experts"
@@ -237,20 +222,20 @@ def _experts(d: dict, family: str, r: _Reader, layers: int) -> dict:
             r.fail("router_jitter_noise", f"{d['router_jitter_noise']!r}: router noise in training is not modelled")
         return out
     only = r.raw("mlp_only_layers", [])
-    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
-                                             for i in only):
+    if not isinstance(only, list) or len(only) > layers or \
+            not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only):
         r.fail("mlp_only_layers", f"must list layer indices in 0..{layers - 1}, got {only!r}")
     out.update(moe_intermediate_size=r.int("moe_intermediate_size"), norm_topk_prob=r.flag("norm_topk_prob"),
                decoder_sparse_step=r.int("decoder_sparse_step"), mlp_only_layers=tuple(only))
     return out
 
 
-def _refuse_unmodelled(d: dict, family: str, r: _Reader):
+def _refuse_unmodelled(d: dict, t: Family, r: _Reader):
     if d.get("quantization_config"):
         r.fail("quantization_config", "quantized checkpoints are not loaded; use the unquantized weights")
     if r.number("attention_dropout", 0.0, positive=False):
         r.fail("attention_dropout", f"{d['attention_dropout']!r}: attention dropout is not modelled")
-    if family == "gemma3_text":
+    if t.gemma:
         if d.get("attn_logit_softcapping"):
             r.fail("attn_logit_softcapping", f"{d['attn_logit_softcapping']!r}: attention score soft-capping is "
                                              f"not modelled")
@@ -262,12 +247,13 @@ def config_from_hf(d: Any, source: str = "config.json") -> ModelConfig:
     if not isinstance(d, dict):
         raise ModelFileError(f"{source}: expected a JSON object, got {type(d).__name__}")
     family = _family(d, source)
-    r = _Reader(d, source, _DEFAULTS[family])
-    _refuse_unmodelled(d, family, r)
+    t = FAMILIES[family]
+    r = _Reader(d, source, t.defaults)
+    _refuse_unmodelled(d, t, r)
     heads = r.int("num_attention_heads")
     hidden = r.int("hidden_size")
     layers = r.int("num_hidden_layers")
-    act_key = "hidden_activation" if family == "gemma3_text" else "hidden_act"
+    act_key = t.act_key
     act = r.raw(act_key, "silu")
     act = "silu" if act == "swish" else act
     if act not in ACTIVATIONS:
@@ -292,16 +278,14 @@ def config_from_hf(d: Any, source: str = "config.json") -> ModelConfig:
     if eos is not None and not (isinstance(eos, int) or isinstance(eos, list) and all(isinstance(e, int) for e in eos)):
         r.fail("eos_token_id", f"must be a token id or a list of them, got {eos!r}")
     kw["eos_token_id"] = eos
-    if family in ("llama", "qwen3", "qwen3_moe", "gemma3_text"):
-        kw["attention_bias"] = r.flag("attention_bias")
-    if family == "llama":
-        kw["mlp_bias"] = r.flag("mlp_bias")
-    if family == "gemma3_text":
+    for key in t.bias_keys:
+        kw[key] = r.flag(key)
+    if t.gemma:
         kw["query_pre_attn_scalar"] = r.number("query_pre_attn_scalar")
         kw["final_logit_softcapping"] = r.number("final_logit_softcapping", None)
-    kw.update(_rope(d, family, r))
-    kw.update(_windows(d, family, r, layers))
-    kw.update(_experts(d, family, r, layers))
+    kw.update(_rope(d, t, r))
+    kw.update(_windows(d, t, r, layers))
+    kw.update(_experts(d, t, r, layers))
     try:
         return ModelConfig(**kw, extra={k: d[k] for k in _KEPT if k in d})
     except ValueError as e:
@@ -313,6 +297,7 @@ def _rope_block(theta: float, scaling: Optional[dict]) -> dict:
 
 
 def config_to_hf(c: ModelConfig) -> dict:
+    t = c.traits
     d = dict(c.extra)
     d.update({
         "architectures": [c.architecture], "model_type": c.family,
@@ -324,37 +309,34 @@ def config_to_hf(c: ModelConfig) -> dict:
         "pad_token_id": c.pad_token_id, "initializer_range": c.initializer_range,
         "torch_dtype": d.get("torch_dtype", "float32"),
     })
-    d["hidden_activation" if c.family == "gemma3_text" else "hidden_act"] = c.hidden_act
-    if c.family == "gemma3_text":
+    d[t.act_key] = c.hidden_act
+    d.update(t.written)
+    if t.gemma:
         d["rope_parameters"] = {FULL: _rope_block(c.rope_theta, c.rope_scaling),
                                 SLIDING: dict(c.local_rope or _rope_block(c.rope_theta, None))}
         scalar = c.query_pre_attn_scalar  # transformers' Gemma3TextConfig types it int
         d.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-                 final_logit_softcapping=c.final_logit_softcapping,
-                 attn_logit_softcapping=None, use_bidirectional_attention=False)
+                 final_logit_softcapping=c.final_logit_softcapping)
     else:
         d.update(rope_parameters=_rope_block(c.rope_theta, c.rope_scaling), rope_theta=c.rope_theta,
                  rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None)
-    if c.family in ("llama", "qwen3", "qwen3_moe", "gemma3_text"):
-        d["attention_bias"] = c.attention_bias
-    if c.family == "llama":
-        d.update(mlp_bias=c.mlp_bias, pretraining_tp=1)
-    if c.family in ("qwen2", "qwen3", "qwen3_moe"):
+    d.update({key: getattr(c, key) for key in t.bias_keys})
+    if t.window_switch:
         d["use_sliding_window"] = c.sliding_window is not None
-    if c.family != "llama":
+    if t.windows is not None:
         d["sliding_window"] = c.sliding_window
-    if c.family in ("qwen2", "qwen3", "gemma3_text"):
+    if t.windows in ("max_window_layers", "sliding_window_pattern"):
         d["layer_types"] = [SLIDING if c.is_sliding_layer(i) else FULL for i in range(c.num_hidden_layers)]
-    if c.family in ("qwen2", "qwen3"):
+    if t.windows == "max_window_layers":
         d.setdefault("max_window_layers", next((i for i in range(c.num_hidden_layers) if c.is_sliding_layer(i)),
                                                c.num_hidden_layers))
-    if c.family == "mixtral":
-        d.update(num_local_experts=c.num_local_experts, router_jitter_noise=0.0)
-    if c.family == "qwen3_moe":
+    if t.moe == "mixtral":
+        d["num_local_experts"] = c.num_local_experts
+    if t.moe == "qwen3_moe":
         d.update(num_experts=c.num_local_experts, moe_intermediate_size=c.expert_size,
                  norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=c.decoder_sparse_step,
                  mlp_only_layers=list(c.mlp_only_layers))
-    if c.traits.moe:
+    if t.moe:
         d.update(num_experts_per_tok=c.num_experts_per_tok, router_aux_loss_coef=c.router_aux_loss_coef,
                  output_router_logits=False)
     return d

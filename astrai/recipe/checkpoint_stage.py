@@ -59,15 +59,12 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         pickled = [p.name for p in path.glob("*.bin")]
         return (f"{path} has no model.safetensors" + (f" (only {', '.join(pickled)}: pickle files are never loaded;"
                                                       f" convert them to safetensors)" if pickled else ""))
-    from astrai.model.config import ModelConfig
+    from astrai.model.checkpoint_files import read_json
+    from astrai.model.hf_config import config_from_hf
 
     source = str(path / "config.json")
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        return f"{source}: not readable JSON: {e}"
-    try:
-        ModelConfig.from_hf(config, source)
+        config_from_hf(read_json(path / "config.json", "config.json"), source)  # bounded: size, nesting
     except (ValueError, TypeError) as e:  # a model-file error names the file and key itself
         return str(e) if source in str(e) else f"{source}: {e}"
     if not (path / "tokenizer.json").exists():

@@ -1,8 +1,12 @@
 """LoRA in the train stage: which base, the adapters on it, the reference model, and what final/ holds.
 
-With `lora:` the model source must be a checkpoint directory (or an adapter directory, merged into
-its base first): adapters on random weights teach nothing, and a resumed run must find the same
-frozen base again. That base is never copied: checkpoints and final/ hold the adapters in PEFT's
+With `lora:` the model source must be a full checkpoint directory: adapters on random weights teach
+nothing, and a resumed run (or generate, or PEFT) must find the same frozen base again by the path
+the adapters record. An adapter directory is refused with the checkpoint to use instead (its
+merged/ directory when it has one, else its base): new adapters on it would record a base that is
+itself an adapter, which neither astrai nor PEFT loads. (Without `lora:`, an adapter directory is a
+model source like any checkpoint: merged into its base, whose weights then all train.) The base is
+never copied: checkpoints and final/ hold the adapters in PEFT's
 format (astrai.model.adapter_files) naming it in base_model_name_or_path, plus the optimizer state
 of the adapters only; a resume rebuilds the base from `model` and loads the adapters into it.
 
@@ -35,7 +39,9 @@ def lora_spec(options: TrainOptions) -> LoraSpec:
 
 
 def base_problem(options: TrainOptions, is_checkpoint: bool) -> Optional[str]:
-    from astrai.model.adapter_files import is_adapter
+    from astrai.errors import ModelFileError
+    from astrai.model.adapter_files import is_adapter, resolve_base
+    from astrai.model.checkpoint_files import CONFIG
 
     if options.lora is None:
         return None
@@ -43,8 +49,16 @@ def base_problem(options: TrainOptions, is_checkpoint: bool) -> Optional[str]:
         return (f"lora trains adapters on a pretrained model, but model {options.model!r} is not a checkpoint "
                 f"directory; set model to one (a size preset or a config.json starts from random weights)")
     if is_adapter(options.model):
+        merged = Path(options.model) / MERGED
+        try:
+            base = f"its base {str(resolve_base(options.model))!r}"
+        except ModelFileError:  # no base to be found: say so without naming one
+            base = "its base"
+        instead = (f"set model to {str(merged)!r}, the adapter merged into its base" if (merged / CONFIG).is_file() else
+                   f"set model to {base} or to the adapter merged into it (a LoRA run with lora.merge: true writes "
+                   f"final/merged/)")
         return (f"model {options.model!r} is a LoRA adapter directory; new adapters need a full checkpoint as "
-                f"their base: use its merged/ directory (lora.merge: true writes it)")
+                f"their base, one they can name to be loaded again: {instead}")
     return None
 
 

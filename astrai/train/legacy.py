@@ -24,7 +24,7 @@ import torch
 
 from astrai.runtime import atomic_write_text
 from astrai.train.resume import LEGACY, STATE, FORMAT, fsync_tree
-from astrai.train.state_files import CheckpointError, write_optimizer, write_rng, write_scheduler
+from astrai.train.state_files import CheckpointError, read_checkpoint_json, write_optimizer, write_rng, write_scheduler
 
 
 def _load(path: Path, numpy_arrays: bool = False):
@@ -69,7 +69,7 @@ def convert(directory: Path) -> list[str]:
     write_optimizer(directory, optim_sd)
     write_scheduler(directory, scheduler_sd)
     write_rng(directory, 0, {**rng, "cuda": rng.get("cuda") or []})
-    state = json.loads((directory / STATE).read_text())
+    state = read_checkpoint_json(directory / STATE)
     state.update(format=FORMAT, world=1)
     atomic_write_text(directory / STATE, json.dumps(state, indent=2, sort_keys=True) + "\n")
     fsync_tree(directory)

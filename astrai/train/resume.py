@@ -40,8 +40,8 @@ from astrai.runtime import fsync_dir, open_nofollow, refuse_link
 from astrai.train.output import clear_tmp, foreign, only_ours, remove_ours
 from astrai.train.resume_checks import STATE, STEP_NAME as _STEP, check_counters
 from astrai.train.distributed import Dist, barrier, load_full_state, parameter_names
-from astrai.train.state_files import (CheckpointError, pickle_files, read_optimizer, read_rng, read_scheduler,
-                                      rng_files, write_optimizer, write_rng, write_scheduler)
+from astrai.train.state_files import (CheckpointError, pickle_files, read_checkpoint_json, read_optimizer, read_rng,
+                                      read_scheduler, rng_files, write_optimizer, write_rng, write_scheduler)
 
 FORMAT = 2  # 1: the torch.save (pickle) files of older astrai
 _INTS = ("global_step", "epoch", "step_in_epoch", "consumed_rows", "saved_step")
@@ -194,12 +194,7 @@ def refuse_pickles(path: Path):
 
 
 def read_state(path: Path) -> dict:
-    if not (path / STATE).is_file():
-        raise CheckpointError(f"{path / STATE}: not a regular file")
-    try:
-        saved = json.loads((path / STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / STATE}: unreadable ({e})") from None
+    saved = read_checkpoint_json(path / STATE)
     if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) and saved[k] >= 0 for k in _INTS):
         raise CheckpointError(f"{path / STATE}: needs non-negative integers {', '.join(_INTS)}")
     return saved

@@ -28,6 +28,7 @@ from astrai.model import CausalLM, ModelConfig
 from astrai.model.adapter_files import is_adapter, load_checkpoint
 from astrai.model.checkpoint_files import read_json
 from astrai.model.config import PRESETS
+from astrai.model.hf_config import config_from_hf
 from astrai.model.weights import check_fits_memory
 from astrai.train.adapters import add_adapters, base_problem, reference, write_final
 from astrai.train.data import TrainData, compat_problems
@@ -63,7 +64,7 @@ def build_model(spec: str, data: TrainData, seed: int, dtype: torch.dtype = torc
     if path.is_dir():  # a checkpoint, or an adapter directory (merged into its base, which then trains);
         return load_checkpoint(path, dtype=dtype)  # what cannot be read (pickles, bad files) is refused by name
     if path.suffix == ".json" and path.exists():
-        config = ModelConfig.from_hf(read_json(path, "config.json"), str(path))
+        config = config_from_hf(read_json(path, "config.json"), str(path))
         check_fits_memory(config, dtype, str(path))  # before allocating fresh weights
         return CausalLM(config)
     raise TrainConfigError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}), a config.json, "

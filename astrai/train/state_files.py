@@ -30,11 +30,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from astrai import json_bounded
 from astrai.errors import InputError
 from astrai.runtime import atomic_write_text, fresh_tmp, fsync_replace
 
 OPTIMIZER_TENSORS, OPTIMIZER_JSON, SCHEDULER_JSON = "optimizer.safetensors", "optimizer.json", "scheduler.json"
 FORMAT = 1
+MAX_JSON_BYTES = 64 << 20  # optimizer.json of a large model is some hundred KB
 # suffixes of pickle containers (torch.save, pickle, joblib, pytorch_model.bin): never opened
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".joblib", ".dill")
 
@@ -69,15 +71,16 @@ def _regular(path: Path):
                               f"from an earlier one)")
 
 
-def _read_json(path: Path) -> dict:
-    _regular(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+def read_checkpoint_json(path: Path) -> dict:
+    """A JSON file of a checkpoint (bounded size and nesting: astrai.json_bounded)."""
+    if not path.exists():
         raise CheckpointError(f"{path}: missing; the checkpoint is incomplete (delete it to resume from an "
-                              f"earlier one)") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+                              f"earlier one)")
+    return json_bounded.read_json(path, "training-state file", MAX_JSON_BYTES, error=CheckpointError)
+
+
+def _read_json(path: Path) -> dict:
+    data = read_checkpoint_json(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an astrai training-state file of format {FORMAT}")
     return data

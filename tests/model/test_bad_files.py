@@ -144,7 +144,7 @@ def test_broken_safetensors_files_are_named(ckpt):
     _write(ckpt, header, data, length=10 ** 12)
     refused(ckpt, "header length 1,000,000,000,000 is larger than the file")
     (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"{nope")
-    refused(ckpt, "the safetensors header is not valid JSON")
+    refused(ckpt, "the safetensors header: not valid JSON")
     (ckpt / "model.safetensors").write_bytes(b"abc")
     refused(ckpt, "3 bytes: truncated")
     forged = json.loads(json.dumps(header))
@@ -244,9 +244,16 @@ def test_config_json_that_is_not_an_object(ckpt):
 
 
 @pytest.mark.parametrize("changes,match", [
-    (dict(num_hidden_layers=100000), "num_hidden_layers 100000 but the weights hold 2 layers"),
-    (dict(hidden_size=10 ** 6), r"model.embed_tokens.weight is \[64, 64\], config.json implies \[64, 1000000\]"),
-    (dict(vocab_size=10 ** 9, intermediate_size=10 ** 9), r"config.json implies"),
+    (dict(num_hidden_layers=3000), "num_hidden_layers 3000 but the weights hold 2 layers"),
+    (dict(num_hidden_layers=1e9), "config.json: num_hidden_layers: 1,000,000,000 is more than 4,096"),
+    (dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=10 ** 9),
+     "config.json: num_local_experts: 1,000,000,000 is more than 4,096"),
+    (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4096, num_hidden_layers=4096),
+     r"config.json: num_hidden_layers 4096 with num_local_experts 4096 is some [\d,]+ weight tensors"),
+    (dict(vocab_size=10 ** 12), "config.json: vocab_size: 1,000,000,000,000 is more than"),
+    (dict(num_attention_heads=2 ** 40, num_key_value_heads=1), "config.json: num_attention_heads: .* is more than"),
+    (dict(hidden_size=10 ** 5), r"model.embed_tokens.weight is \[64, 64\], config.json implies \[64, 100000\]"),
+    (dict(vocab_size=10 ** 6, intermediate_size=10 ** 6), r"config.json implies"),
 ])
 def test_size_bombs_fail_at_once_before_allocating(ckpt, changes, match):
     set_config(ckpt, **changes)
@@ -258,8 +265,9 @@ def test_size_bombs_fail_at_once_before_allocating(ckpt, changes, match):
 def test_a_fresh_model_from_an_oversized_config_is_refused_before_allocating(tmp_path):
     from astrai.model.weights import check_fits_memory, parameter_count
 
-    cfg = ModelConfig.preset("tiny", hidden_size=10 ** 6, num_hidden_layers=1000, vocab_size=10 ** 6)
-    assert parameter_count(cfg) > 10 ** 15
+    cfg = ModelConfig.preset("tiny", hidden_size=10 ** 5, num_attention_heads=40, num_key_value_heads=8,
+                             num_hidden_layers=1000, vocab_size=10 ** 6)
+    assert parameter_count(cfg) > 10 ** 13
     t0 = time.perf_counter()
     with pytest.raises(ModelFileError, match=r"the model's weights need [\d,.]+ GiB in float32 .* but the machine"):
         check_fits_memory(cfg, torch.float32, "config.json")

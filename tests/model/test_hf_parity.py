@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from astrai.model import CausalContext, CausalLM, ModelConfig, load_model, save_model
+from astrai.model.hf_config import config_from_hf, config_to_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,7 +32,7 @@ def _randomize(module: torch.nn.Module, seed: int):
 
 
 def _hf_model(cfg: ModelConfig):
-    d = cfg.to_hf()
+    d = config_to_hf(cfg)
     cls = transformers.MixtralConfig if cfg.is_moe else transformers.LlamaConfig
     hcfg = cls(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
     arch = transformers.MixtralForCausalLM if cfg.is_moe else transformers.LlamaForCausalLM
@@ -121,8 +122,47 @@ def test_load_casts_dtype_and_keeps_tied_head(tmp_path):
 
 def test_config_round_trip_and_refusals():
     cfg = ModelConfig.preset("tiny-moe", rope_scaling={"rope_type": "linear", "factor": 4.0})
-    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert config_from_hf(config_to_hf(cfg)) == cfg
     with pytest.raises(ValueError, match="hidden_act: 'relu' is not modelled"):
-        ModelConfig.from_hf({**ModelConfig.preset("tiny").to_hf(), "hidden_act": "relu"})
+        config_from_hf({**config_to_hf(ModelConfig.preset("tiny")), "hidden_act": "relu"})
     with pytest.raises(ValueError, match="unknown model preset"):
         ModelConfig.preset("huge")
+
+
+def test_config_does_not_import_hf_config():
+    """The dependency runs one way: hf_config reads and writes config.json from config's records."""
+    import ast
+    from pathlib import Path
+
+    import astrai.model.config as mc
+
+    tree = ast.parse(Path(mc.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith("astrai.")}, imported
+
+
+def test_a_new_family_is_one_record(monkeypatch):
+    """A family's reading rules live in its Family record: a copy of Qwen2's under another name reads and
+    writes config.json the way Qwen2's does, with no code naming it."""
+    import dataclasses
+
+    import astrai.model.config as mc
+
+    monkeypatch.setitem(mc.FAMILIES, "myqwen", dataclasses.replace(mc.FAMILIES["qwen2"],
+                                                                    architecture="MyQwenForCausalLM"))
+    monkeypatch.setitem(mc.ARCHITECTURES, "MyQwenForCausalLM", "myqwen")
+    types = ("full_attention", "sliding_attention")
+    for family in ("qwen2", "myqwen"):
+        cfg = ModelConfig.preset("tiny", family=family, sliding_window=16, layer_types=types)
+        d = config_to_hf(cfg)
+        assert d["architectures"] == [mc.FAMILIES[family].architecture] and d["model_type"] == family
+        assert config_from_hf(d) == cfg
+        del d["layer_types"]  # read back from max_window_layers, as Qwen2's config class does
+        assert config_from_hf(d) == cfg
+    mine = config_to_hf(ModelConfig.preset("tiny", family="myqwen", sliding_window=16, layer_types=types))
+    theirs = config_to_hf(ModelConfig.preset("tiny", family="qwen2", sliding_window=16, layer_types=types))
+    assert {k: v for k, v in mine.items() if k not in ("architectures", "model_type")} == \
+        {k: v for k, v in theirs.items() if k not in ("architectures", "model_type")}
+    with pytest.raises(ValueError, match="attention_bias does not apply to the myqwen family"):
+        ModelConfig.preset("tiny", family="myqwen", attention_bias=True)

@@ -202,7 +202,7 @@ def test_a_base_that_does_not_fit_is_refused_in_one_line(tmp_path):
     cfg_file = tmp_path / "adapter" / "adapter_config.json"
     cfg = json.loads(cfg_file.read_text())
     cfg_file.write_text(json.dumps({**cfg, "target_modules": ["q_proj", "qkv_proj"]}))
-    with pytest.raises(AdapterError, match=r"target modules \['qkv_proj'\] do not exist in base"):
+    with pytest.raises(AdapterError, match=r"adapter_config.json: target_modules: \['qkv_proj'\] do not exist in base"):
         check_adapter(tmp_path / "adapter", base)
     cfg_file.write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(AdapterError, match="DoRA"):

@@ -10,6 +10,7 @@ import torch
 from astrai.config import load_pipeline
 from astrai.data.preprocess import run_preprocess
 from astrai.config.train import TrainOptions
+from astrai.model.hf_config import config_to_hf
 from astrai.train.run import TrainConfigError, run_train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +83,7 @@ def test_invalid_combinations_are_refused(datasets, tmp_path):
         run_train(_opts(datasets["sft"], tmp_path / "b", strategy="dpo"))
     cfg = tmp_path / "small-vocab.json"
     from astrai.model import ModelConfig
-    cfg.write_text(json.dumps(ModelConfig.preset("tiny", vocab_size=100).to_hf()))
+    cfg.write_text(json.dumps(config_to_hf(ModelConfig.preset("tiny", vocab_size=100))))
     with pytest.raises(TrainConfigError, match="embedding only 100"):
         run_train(_opts(datasets["sft"], tmp_path / "c", model=str(cfg)))
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before any work

@@ -71,14 +71,15 @@ def read_records(files: list[Path], wanted: list[int], seen: Optional[dict] = No
 
 
 def _jsonl_records(f: Path, idx: int, want: set, last: int):
-    from astrai.data.read import Partition, read_partition
+    from astrai.data.lines import LongLine, bounded_lines
+    from astrai.data.read import MAX_RECORD_BYTES, Partition, read_partition
 
     offset, line = 0, 0
     with open(f, "rb") as fh:
-        for raw in fh:
+        for raw in bounded_lines(fh, MAX_RECORD_BYTES):  # a longer line is passed over, never held
             line += 1
-            start, offset = offset, offset + len(raw)
-            if not raw.strip():
+            start, offset = offset, offset + (raw.size if isinstance(raw, LongLine) else len(raw))
+            if isinstance(raw, bytes) and not raw.strip():
                 continue  # as the reader: a blank line is not a record
             if idx in want:  # parse this line alone, with the reader's own checks and messages
                 for batch in read_partition(Partition(0, str(f), "jsonl", start, offset, line), 1):

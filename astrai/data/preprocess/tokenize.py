@@ -118,7 +118,7 @@ def _batches(part: Partition, batch_size: int, job, limit: Optional[int]):
     """(batch of (record, where), its good records) for process_stream, at most `limit` records."""
     keep = job.holdout.keep(part.file) if job.holdout is not None else None
     read = 0
-    for batch in read_partition(part, batch_size, keep):
+    for batch in read_partition(part, batch_size, keep, job.pipeline.preprocessing.max_record_bytes):
         if limit is not None:
             batch = batch[: max(limit - read, 0)]
             if not batch:
