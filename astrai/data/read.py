@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from astrai.data.holdout import position
+from astrai.data.streams import open_stream
 from astrai.errors import InputError, RecordError, open_regular, regular_file
 from astrai.runtime import inside_output
 
@@ -285,26 +286,10 @@ def _read_jsonl(p: Partition, keep=None) -> Iterator[Item]:
 
 def _read_jsonl_stream(p: Partition, keep=None) -> Iterator[Item]:
     """Compressed JSONL, decompressed as a stream (never whole in memory), numbered like JSONL."""
-    with _open_stream(p) as fh:
+    with open_stream(p.file, p.kind) as fh:
         for line_no, raw in enumerate(fh, p.first_where):
             if raw.strip() and (keep is None or keep(line_no - 1)):  # blank lines are not records
                 yield _parse_json_line(raw, str(line_no)), str(line_no)
-
-
-def _open_stream(p: Partition):
-    import io
-
-    if p.kind == "jsonl.gz":
-        import gzip
-
-        return gzip.open(p.file, "rb")
-    try:
-        import zstandard
-    except ImportError:
-        raise InputError(f"input {p.file}: reading .zst needs the zstandard package (pip install zstandard, "
-                         f"or astrai[zstd])") from None
-    raw = open(p.file, "rb")
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
 
 
 def _parse_json_line(raw: bytes, where: str):
@@ -314,8 +299,8 @@ def _parse_json_line(raw: bytes, where: str):
         return RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line")
     if where == "1" and text.startswith("\ufeff"):
         text = text[1:]  # a UTF-8 byte order mark (some editors write one) is not part of the record
-    try:
-        rec = json.loads(text)
+    try:  # without its line ending: a line cut short is then reported where it stops, not at "column 1"
+        rec = json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         return RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
     except RecursionError:

@@ -18,7 +18,10 @@ SHAREGPT_ROLE = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
 def bundled(name, *sets):
-    return load_pipeline(ROOT / "pipelines" / name, ("preprocessing.packing_strategy=none", *sets))
+    # sharegpt.yaml and alpaca.yaml render with the model's own template; the tiny tokenizer has none,
+    # so ChatML stands in for it here, the template chatml_sft.yaml renders the messages forms with
+    own = ("chat_template=chatml",) if name in ("sharegpt.yaml", "alpaca.yaml") else ()
+    return load_pipeline(ROOT / "pipelines" / name, ("preprocessing.packing_strategy=none", *own, *sets))
 
 
 def rows(out):
@@ -51,7 +54,7 @@ def as_messages(rec):
 
 def test_sharegpt_equals_its_messages_form_token_for_token(tmp_path, tiny_tokenizer):
     recs = sharegpt_records(60, seed=1)
-    s_stats, s_rows = run(bundled("sharegpt_chatml.yaml"), recs, tmp_path / "sharegpt", tiny_tokenizer)
+    s_stats, s_rows = run(bundled("sharegpt.yaml"), recs, tmp_path / "sharegpt", tiny_tokenizer)
     m_stats, m_rows = run(bundled("chatml_sft.yaml"), [as_messages(r) for r in recs], tmp_path / "messages",
                           tiny_tokenizer)
     assert s_stats["records_kept"] == m_stats["records_kept"] == 60
@@ -64,7 +67,7 @@ def test_sharegpt_equals_its_messages_form_token_for_token(tmp_path, tiny_tokeni
 def test_sharegpt_roles_pass_through_and_unknown_ones_are_rejected_at_their_key(tmp_path, tiny_tokenizer):
     ok = {"conversations": [{"from": "user", "value": "hello"}, {"from": "assistant", "value": "fine"}]}
     typo = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gtp", "value": "fine"}]}
-    stats, out_rows = run(bundled("sharegpt_chatml.yaml"), [ok, typo], tmp_path / "o", tiny_tokenizer)
+    stats, out_rows = run(bundled("sharegpt.yaml"), [ok, typo], tmp_path / "o", tiny_tokenizer)
     assert stats["records_kept"] == 1 and stats["rejected_by_reason"] == {"unknown_role": 1}
     (reject,) = [json.loads(line) for line in (tmp_path / "o" / "rejects.jsonl").open()]
     assert (reject["line"], reject["key"]) == ("2", "conversations[1].from")
@@ -76,7 +79,7 @@ def test_sharegpt_problems_name_the_users_keys(tmp_path, tiny_tokenizer):
     bad = [{"conversations": [{"from": "human"}]},
            {"conversations": [{"value": "x"}]},
            {"conversations": [{"from": "human", "value": 3}]}]
-    stats, _ = run(bundled("sharegpt_chatml.yaml", "preprocessing.max_reject_share=1.0"),
+    stats, _ = run(bundled("sharegpt.yaml", "preprocessing.max_reject_share=1.0"),
                    bad + sharegpt_records(1), tmp_path / "o", tiny_tokenizer)
     got = [(json.loads(line)["key"], json.loads(line)["reason"]) for line in (tmp_path / "o" / "rejects.jsonl").open()]
     assert got == [("conversations[0].value", "missing_field"), ("conversations[0].from", "missing_field"),
@@ -107,7 +110,7 @@ def alpaca_as_messages(rec):
 
 def test_alpaca_equals_its_messages_form_token_for_token(tmp_path, tiny_tokenizer):
     recs = alpaca_records(50, seed=2)
-    a_stats, a_rows = run(bundled("alpaca_chatml.yaml"), recs, tmp_path / "alpaca", tiny_tokenizer)
+    a_stats, a_rows = run(bundled("alpaca.yaml"), recs, tmp_path / "alpaca", tiny_tokenizer)
     m_stats, m_rows = run(bundled("chatml_sft.yaml"), [alpaca_as_messages(r) for r in recs], tmp_path / "messages",
                           tiny_tokenizer)
     assert a_stats["records_kept"] == m_stats["records_kept"] == 50
@@ -117,7 +120,7 @@ def test_alpaca_equals_its_messages_form_token_for_token(tmp_path, tiny_tokenize
 
 def test_alpaca_bad_fields_are_rejected_with_their_key(tmp_path, tiny_tokenizer):
     bad = [{"instruction": "hi", "input": 5, "output": "x"}, {"instruction": "hi", "output": ""}]
-    stats, _ = run(bundled("alpaca_chatml.yaml", "preprocessing.on_error=skip"), bad + alpaca_records(2),
+    stats, _ = run(bundled("alpaca.yaml", "preprocessing.on_error=skip"), bad + alpaca_records(2),
                    tmp_path / "o", tiny_tokenizer)
     assert stats["rejected_by_reason"] == {"wrong_type": 1}
     assert stats["records_kept"] == 2 and stats["records_filtered"] == 1  # no answer: nothing to train
@@ -153,9 +156,9 @@ def test_inspect_shows_the_mapped_roles(tmp_path, tiny_tokenizer, capsys):
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(sharegpt_records(1, seed=4)[0]) + "\n")
-    pipe = ROOT / "pipelines" / "sharegpt_chatml.yaml"
+    pipe = ROOT / "pipelines" / "sharegpt.yaml"
     assert main(["inspect", str(pipe), "-i", str(data), "--tokenizer", str(tiny_tokenizer), "-n", "1",
-                 "--format", "json"]) == 0
+                 "--format", "json", "--set", "chat_template=chatml"]) == 0
     tokens = [t for line in capsys.readouterr().out.splitlines() for t in json.loads(line).get("tokens", [])]
     roles = {t.get("role") for t in tokens} - {None}
     assert {"user", "assistant"} <= roles <= {"system", "user", "assistant"}
@@ -180,7 +183,7 @@ def test_real_sharegpt_as_it_comes(tmp_path, tiny_tokenizer):
     converted = [{"messages": [{"role": known.get(t["from"], t["from"]), "content": t["value"]}
                                for t in r["conversations"]]} for r in recs]
     sets = ("preprocessing.on_error=skip", "preprocessing.max_reject_share=1.0", "preprocessing.max_seq_len=1000000")
-    s_stats, s_rows = run(bundled("sharegpt_chatml.yaml", *sets), recs, tmp_path / "sharegpt", tiny_tokenizer)
+    s_stats, s_rows = run(bundled("sharegpt.yaml", *sets), recs, tmp_path / "sharegpt", tiny_tokenizer)
     m_stats, m_rows = run(bundled("chatml_sft.yaml", *sets), converted, tmp_path / "messages", tiny_tokenizer)
     assert s_stats["records_kept"] > 750
     for key in ("records_kept", "rejected_by_reason", "filtered_by_reason", "tokens", "trained_tokens"):
