@@ -12,9 +12,10 @@
 A panel appears when its metrics were logged. A step logged twice (a resumed run repeats the steps
 after its last checkpoint) keeps its latest value.
 
-`write_plot(path, panels, title)` draws them with matplotlib (the `plot` extra, imported here only)
-side by side; without matplotlib it falls back to astrai.plot.png, which draws the loss panel alone.
-The file is written under a temporary name and renamed.
+`write_plot(path, panels, title)` draws them with matplotlib side by side: the plot is a feature of
+the `plot` extra (`pip install 'astrai[plot]'`, also in `sample`), imported here only. Without it no
+file is written (None is returned; metrics.jsonl holds every figure). The file is written under a
+temporary name and renamed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
 # panel title -> (y label, [(metric key, series label), ...])
 PANELS = {
@@ -58,19 +60,16 @@ def _as_panels(curves_or_loss: dict) -> dict:
     return curves_or_loss
 
 
-def write_plot(path, panels: dict, title: str = "") -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    panels = _as_panels(panels)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+def write_plot(path, panels: dict, title: str = "") -> Optional[Path]:
+    """The PNG at `path`, or None where matplotlib (the `plot` extra) is not installed."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        from astrai.plot.png import render_loss
-
-        tmp.write_bytes(render_loss(panels.get("loss", {})).png())
-    else:
-        _matplotlib(Figure, tmp, panels, title)
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    _matplotlib(Figure, tmp, _as_panels(panels), title)
     os.replace(tmp, path)
     return path
 
