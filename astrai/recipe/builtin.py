@@ -92,8 +92,7 @@ def _checkpoint_kind() -> StageKind:
         # what it reads and describes (config), converts (packaged) and how it locates a package; not the
         # whole of astrai.model: a change to the layers would rerun it and, through its output, preprocess
         code=("astrai.recipe.checkpoint_stage", "astrai.model.packaged", "astrai.model.config",
-              "astrai.model.hf_config", "astrai.text.tokenizer", "astrai.recipe.template_check", "astrai.text.drift",
-              "astrai.text.template", "astrai.config.pipeline", "astrai.config.formats", "astrai.config.loading",
+              "astrai.model.hf_config", "astrai.text", "astrai.recipe.template_check", "astrai.config.pipeline", "astrai.config.formats", "astrai.config.loading",
               "astrai.schema"),
         describe=describe_checkpoint,
         check=check_checkpoint, extra=checkpoint_extra, figures=("architecture", "layers", "vocab_size"))

@@ -190,3 +190,70 @@ def test_real_sharegpt_as_it_comes(tmp_path, tiny_tokenizer):
         assert s_stats[key] == m_stats[key], key
     assert [r["input_ids"] for r in s_rows] == [r["input_ids"] for r in m_rows]
     assert [r["labels"] for r in s_rows] == [r["labels"] for r in m_rows]
+
+
+# -- input.format: a chat format by one key ---------------------------------------------------------
+
+def _by_format(fmt, conv):
+    user = [m["content"] for m in conv if m["role"] == "user"]
+    answer = [m["content"] for m in conv if m["role"] == "assistant"]
+    system = [m["content"] for m in conv if m["role"] == "system"]
+    if fmt == "sharegpt":
+        return {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                   "value": m["content"]} for m in conv]}
+    if fmt == "alpaca":
+        return {"instruction": user[0], "output": answer[0], **({"system": system[0]} if system else {})}
+    if fmt == "prompt_completion":
+        return {"prompt": user[0], "completion": answer[0]}
+    return {"messages": conv}
+
+
+@pytest.mark.parametrize("fmt", ["messages", "sharegpt", "alpaca", "prompt_completion"])
+def test_each_format_reads_the_same_rows_as_its_messages_form(fmt, tmp_path, tiny_tokenizer):
+    rng = random.Random(7)
+    convs = []
+    for i in range(30):
+        conv = [{"role": "system", "content": "be brief"}] if fmt != "prompt_completion" and i % 3 == 0 else []
+        conv += [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 12)))},
+                 {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 20)))}]
+        convs.append(conv)
+    own = tmp_path / "own.yaml"
+    own.write_text("version: 1\nchat_template: chatml\ninput: {format: messages}\n")
+    pipe = load_pipeline(own, ("preprocessing.packing_strategy=none",), input_format=fmt)
+    f_stats, f_rows = run(pipe, [_by_format(fmt, c) for c in convs], tmp_path / "f", tiny_tokenizer)
+    m_stats, m_rows = run(bundled("chatml_sft.yaml"), [{"messages": c} for c in convs], tmp_path / "m",
+                          tiny_tokenizer)
+    assert f_stats["records_kept"] == m_stats["records_kept"] == 30
+    assert [r["input_ids"] for r in f_rows] == [r["input_ids"] for r in m_rows]
+    assert [r["labels"] for r in f_rows] == [r["labels"] for r in m_rows]
+
+
+def test_a_record_of_another_format_says_which_key_to_set(tmp_path, tiny_tokenizer):
+    sharegpt = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "fine"}]}
+    alpaca = {"instruction": "hello", "output": "fine"}
+    own = tmp_path / "own.yaml"
+    own.write_text("version: 1\nchat_template: chatml\ninput: {format: messages}\n"
+                   "preprocessing: {on_error: skip, max_reject_share: 1.0}\n")
+    good = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"}]}
+    for fmt, records, key in (("messages", [sharegpt, alpaca], "messages"), ("alpaca", [sharegpt], "system")):
+        out = tmp_path / f"o-{fmt}"
+        run(load_pipeline(own, input_format=fmt), records + [good if fmt == "messages" else alpaca], out,
+            tiny_tokenizer)
+        rejects = [json.loads(line) for line in (out / "rejects.jsonl").open()]
+        assert [r["key"] for r in rejects] == [key] * len(records)
+        assert "set `format: sharegpt` (a recipe's preprocess stage) or `input.format: sharegpt`" in rejects[0]["detail"]
+    assert "set `format: alpaca`" in json.loads((tmp_path / "o-messages" / "rejects.jsonl").read_text().splitlines()[1])["detail"]
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"version": 1, "input": {"format": "messages", "sections": [{"field": "text"}]}}, "give exactly one of input.format"),
+    ({"version": 1, "input": {"format": "shargpt"}}, "shargpt"),
+    ({"version": 1, "input": {"format": "alpaca"}, "mask": {"user": "mask", "assistant": "train"}},
+     "role 'system' is not one of user, assistant"),
+])
+def test_format_problems_are_located(data, needle):
+    from astrai.config.loading import validate_data
+
+    with pytest.raises(ConfigError) as e:
+        validate_data(data, Pipeline, "p.yaml")
+    assert any(needle in p.message or needle in str(p) for p in e.value.problems), e.value.problems
