@@ -42,10 +42,12 @@ def type_text(ann) -> str:
     return getattr(ann, "__name__", str(ann)).replace("NoneType", "null")
 
 
-def default_text(f) -> str:
-    if f.is_required():
+def default_text(f, holder=None, name: str = "") -> str:
+    """The default as the code applies it: a key of a block whose default is a model instance takes
+    that instance's value (chat's `sampling` block defaults max_tokens to 512, not SamplingParams' 16)."""
+    if f.is_required() and holder is None:
         return "required"
-    value = f.get_default(call_default_factory=True)
+    value = getattr(holder, name) if holder is not None else f.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "(its defaults)"
     return "`null`" if value is None else f"`{value!r}`".replace("|", "\\|")
@@ -59,7 +61,8 @@ def _model_of(ann):
     return None
 
 
-def table(model: type[BaseModel], prefix: str = "", skip=()) -> list[str]:
+def table(model: type[BaseModel], prefix: str = "", skip=(), holder=None) -> list[str]:
+    """`holder`: the default instance of the block being flattened (its values are the defaults)."""
     rows = []
     for name, f in model.model_fields.items():
         if name in skip:
@@ -67,11 +70,14 @@ def table(model: type[BaseModel], prefix: str = "", skip=()) -> list[str]:
         sub = _model_of(f.annotation)
         meaning = (f.description or "").replace("|", "\\|")
         if sub is not None and name not in NESTED_OWN_TABLE and sub is not model:
-            if not f.is_required() and f.get_default(call_default_factory=True) is None:  # an optional block
+            default = getattr(holder, name) if holder is not None else \
+                (None if f.is_required() else f.get_default(call_default_factory=True))
+            if not f.is_required() and default is None:  # an optional block
                 rows.append(f"| `{prefix}{name}` | block or null | `null` | {meaning} (its keys below) |")
-            rows += table(sub, f"{prefix}{name}.")  # a block of keys: flattened, dotted
+            # a block of keys: flattened, dotted, each with the default its block's default instance has
+            rows += table(sub, f"{prefix}{name}.", holder=default if isinstance(default, BaseModel) else None)
             continue
-        rows.append(f"| `{prefix}{name}` | {type_text(f.annotation)} | {default_text(f)} | {meaning} |")
+        rows.append(f"| `{prefix}{name}` | {type_text(f.annotation)} | {default_text(f, holder, name)} | {meaning} |")
     return rows
 
 

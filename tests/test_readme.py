@@ -21,7 +21,7 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_command_runs_the_bundled_recipe():
     readme = read("README.md")
     assert re.search(r"^python3 -m venv \.venv .*astrai run recipes/sft\.yaml$", readme, re.M)
-    for path in ("recipes/sft.yaml", "pipelines/chatml_sft.yaml", "samples/chat.jsonl", "astrai/data/mask.py",
+    for path in ("recipes/sft.yaml", "pipelines/chatml_sft.yaml", "samples/persona.jsonl", "astrai/data/mask.py",
                  "pipelines/dpo_chatml.yaml", "pipelines/grpo_chatml.yaml", "pipelines/pretrain_text.yaml"):
         assert os.path.exists(os.path.join(ROOT, path)), path
         assert path.split("/")[-1] in readme

@@ -127,4 +127,7 @@ def _records(path: str, inputs: Optional[list[str]], wanted: list[int], override
     spec = cfg.tokenizer(tokenizer)
     if not spec:
         raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
+    from astrai.recipe.checkpoint_stage import tokenizer_source
+
+    spec = tokenizer_source(spec)  # a recipe's packaged checkpoint, converted on first use
     return records_report(path, cfg.pipeline, cfg.base_dir, spec, inputs, wanted, explicit)

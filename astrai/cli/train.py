@@ -49,12 +49,28 @@ def add_arguments(p):
     p.add_argument("config", help="train YAML (the keys below; paths relative to it)")
 
 
+def _check_before_work(config: str, opts: TrainOptions) -> None:
+    """What can be refused before torch is imported or anything is written: a report_to tracker that
+    is not installed, and data rendered with another chat template than the model serves with."""
+    from astrai.train.data import TrainData, template_problem
+    from astrai.train.report import check_reporters
+
+    missing = check_reporters(opts.reporters)
+    if missing:
+        raise InputError(f"{config}: " + "; ".join(missing))
+    if Path(opts.data).is_dir() and opts.model is not None:
+        problem = template_problem(TrainData(opts.data), opts.model)
+        if problem:
+            raise InputError(f"{config}: {problem}")
+
+
 def run(args) -> int:
     from astrai.train.run import TrainConfigError, run_train
 
     opts = load_train_config(args.config, args.overrides)  # a ConfigError is reported by astrai.cli.main
     if opts.data is None:
         raise ConfigError(args.config, [Problem("data", "data is required (a preprocessed directory)")])
+    _check_before_work(args.config, opts)
     args.output = opts.output  # named by astrai.cli.main when the disk fills up there
     if opts.device == "cuda":
         import torch

@@ -7,7 +7,10 @@ checked by astrai.recipe: every stage, reference and input). `--deep N` processe
 input records as a run would (into a temporary directory that is removed) and reports rejects by
 reason, the first few located in the user's file (file:line: key: what), and the trained share;
 every reject is counted, also where the pipeline's on_error: raise would stop a run at the first.
-`--rejects FILE` keeps all of them (rejects.jsonl lines). Exit 1 on any problem.
+`--rejects FILE` keeps all of them (rejects.jsonl lines). On a recipe, `--deep` reads its first
+preprocess stage's inputs with its pipeline and tokenizer (a packaged checkpoint converted first).
+Exit 1 on any problem, and with `--deep` when a run would fail on the records read (a reject
+where the pipeline's on_error is raise, or more than max_reject_share rejected).
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ def run(args) -> int:
             from astrai.recipe.command import load_recipe_spec
 
             load_recipe_spec(args.file, tuple(args.overrides))
-            print(f"{args.file}: OK")
-            return 0
+            if args.deep is None:
+                print(f"{args.file}: OK")
+                return 0
         cfg = load_any(args.file, tuple(args.overrides))
     except ConfigError as e:
         for p in e.problems:
@@ -71,7 +75,8 @@ def run(args) -> int:
 def _resources(cfg, args) -> list[str]:
     """The tokenizer, template and inputs the config names: each problem as one line with its fix."""
     from astrai.errors import InputError
-    from astrai.data.preflight import check_template_markers
+    from astrai.data.preflight import check_model_template, check_template_markers
+    from astrai.recipe.checkpoint_stage import tokenizer_source
     from astrai.data.process import Processor
     from astrai.data.read import expand_inputs
     from astrai.text.template import resolve_template
@@ -86,14 +91,15 @@ def _resources(cfg, args) -> list[str]:
             problems.append(str(e))
     spec = cfg.tokenizer(args.tokenizer)
     if not spec:
-        if cfg.pipeline.chat_template:
+        if cfg.pipeline.template_spec:
             problems.append("no tokenizer: set `tokenizer:` or pass --tokenizer DIR (the template cannot be checked "
                             "without it)")
         return problems
     try:
-        tok = load_tokenizer(spec, cfg.base_dir)
-        template = (resolve_template(cfg.pipeline.chat_template, tok, cfg.base_dir)
-                    if cfg.pipeline.chat_template else None)
+        tok = load_tokenizer(tokenizer_source(spec), cfg.base_dir)
+        template = (resolve_template(cfg.pipeline.template_spec, tok, cfg.base_dir)
+                    if cfg.pipeline.template_spec else None)
+        check_model_template(cfg.pipeline, tok, template)
         check_template_markers(Processor(cfg.pipeline, tok, cfg.base_dir, template))
     except InputError as e:
         problems.append(str(e))
@@ -106,6 +112,7 @@ SHOWN_REJECTS = 5
 def _deep(cfg, args) -> int:
     from astrai.data.preprocess import run_preprocess
     from astrai.errors import InputError
+    from astrai.recipe.checkpoint_stage import tokenizer_source
 
     inputs = args.inputs or cfg.recipe_inputs
     if not inputs:
@@ -117,7 +124,7 @@ def _deep(cfg, args) -> int:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out"
         try:
-            stats = run_preprocess(pipe, inputs, str(out), tokenizer=cfg.tokenizer(args.tokenizer),
+            stats = run_preprocess(pipe, inputs, str(out), tokenizer=tokenizer_source(cfg.tokenizer(args.tokenizer)),
                                    workers=1, base_dir=cfg.base_dir, log=lambda s: None)
         except InputError:
             if not (out / "stats.json").exists():
@@ -146,5 +153,7 @@ def _deep(cfg, args) -> int:
         print("problem: a run would fail (no record kept, or more rejected than preprocessing.max_reject_share)")
         return 1
     if rejected and cfg.pipeline.preprocessing.on_error == "raise":
-        print("note: with on_error: raise a run stops at the first of these (set on_error: skip to keep going)")
+        print("problem: a run stops at the first of these (on_error: raise); fix the records, or set "
+              "preprocessing.on_error: skip to write them to rejects.jsonl and go on")
+        return 1
     return 0

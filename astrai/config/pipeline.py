@@ -13,8 +13,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, PositiveInt, model_validator
 
-from astrai.config.loading import StrictModel, get_in, load_model, raise_combination_problems
+from astrai.config.formats import FORMAT_NAMES, format_section
+from astrai.config.loading import (StrictModel, get_in, load_model, load_yaml, override, raise_combination_problems,
+                                   validate_data)
 from astrai.schema import SOURCE_TOKEN_COLUMNS, TOKEN_COLUMNS, ValueType, source_column, value_column
+
 Action = Literal["train", "mask", "$role", "value"]
 TrainOrMask = Literal["train", "mask"]
 
@@ -60,7 +63,14 @@ class Source(StrictModel):
     )
 
 
+InputFormat = Literal[FORMAT_NAMES]  # type: ignore[valid-type]
+
+
 class InputConfig(StrictModel):
+    format: Optional[InputFormat] = Field(
+        None, description="a chat format by name, instead of sections: messages | sharegpt | alpaca | "
+                          "prompt_completion (astrai/config/formats.py; rendered with chat_template)"
+    )
     sections: Optional[list[Section]] = Field(None, description="single-output mode: one token sequence per record")
     sources: Optional[dict[str, Source]] = Field(
         None, description="multi-output mode: one token sequence per named source (DPO pairs, GRPO groups)"
@@ -72,11 +82,20 @@ class InputConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_mode(self):
-        if (self.sections is None) == (self.sources is None):
-            raise ValueError(
-                "give exactly one of input.sections (single output) or input.sources (DPO/GRPO multi-output)"
-            )
+        if sum(x is not None for x in (self.format, self.sections, self.sources)) != 1:
+            raise ValueError(ONE_MODE)
         return self
+
+    @property
+    def single_sections(self) -> Optional[list[Section]]:
+        """A single-output pipeline's sections: input.sections, or the one input.format stands for."""
+        if self.format is not None:
+            return [Section(**format_section(self.format))]
+        return self.sections
+
+
+ONE_MODE = ("give exactly one of input.format (a chat format by name), input.sections (single output) or "
+            "input.sources (DPO/GRPO multi-output)")
 
 
 class Preprocessing(StrictModel):
@@ -130,7 +149,12 @@ class Pipeline(StrictModel):
     version: Literal[1] = Field(description="pipeline format version")
     tokenizer: Optional[str] = Field(None, description="HF tokenizer directory (or --tokenizer / the recipe)")
     chat_template: Optional[str] = Field(
-        None, description="'tokenizer' (from tokenizer_config.json), a .jinja path, or a bundled name (chatml, llama3, qwen, mistral)"
+        None, description="'tokenizer' (the model's own: tokenizer_config.json or chat_template.jinja), a .jinja "
+                          "path, or a bundled name (chatml, llama3, qwen, mistral); default: tokenizer"
+    )
+    chat_template_mismatch: Literal["refuse", "allow"] = Field(
+        "refuse", description="a template other than the model's own (the data would be rendered unlike at "
+                              "serve time): refuse before any work, or allow"
     )
     added_tokens: list[str] = Field(
         default_factory=list, description="special tokens the template needs that the tokenizer lacks (e.g. <|im_end|>)"
@@ -149,6 +173,18 @@ class Pipeline(StrictModel):
         return raise_combination_problems(self)
 
     @property
+    def uses_template(self) -> bool:
+        sections = list(self.input.single_sections or [])
+        sections += [s for src in (self.input.sources or {}).values() for s in src.sections]
+        return any(s.template for s in sections)
+
+    @property
+    def template_spec(self) -> Optional[str]:
+        """The template that renders the messages: chat_template, else the tokenizer's own (None when
+        no section uses a template: nothing is rendered)."""
+        return (self.chat_template or "tokenizer") if self.uses_template else None
+
+    @property
     def bin_capacity(self) -> Optional[int]:
         """The most tokens a packed row holds: max_packed_len, else max_seq_len (None: unbounded)."""
         return self.preprocessing.max_packed_len or self.preprocessing.max_seq_len
@@ -162,31 +198,32 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
     """Invalid option combinations, checked on raw data so they are reported together with type errors."""
     out: list[tuple[tuple, str]] = []
     inp = get_in(data, "input", default={}) or {}
-    sections, sources = get_in(inp, "sections"), get_in(inp, "sources")
-    if isinstance(inp, dict) and (sections is None) == (sources is None):
-        out.append((("input",), "give exactly one of input.sections (single output) or input.sources (DPO/GRPO multi-output)"))
+    fmt, sections, sources = get_in(inp, "format"), get_in(inp, "sections"), get_in(inp, "sources")
+    if isinstance(inp, dict) and sum(x is not None for x in (fmt, sections, sources)) != 1:
+        out.append((("input",), ONE_MODE))
     groups = []
-    if isinstance(sections, list):
+    if fmt in FORMAT_NAMES and sections is None:
+        sections = [format_section(fmt)]
+        groups.append((("input", "format"), sections))
+    elif isinstance(sections, list):
         groups.append((("input", "sections"), sections))
     if isinstance(sources, dict):
         for name, src in sources.items():
             secs = get_in(src, "sections")
             if isinstance(secs, list):
                 groups.append((("input", "sources", name, "sections"), secs))
-    uses_template = False
     for where, secs in groups:
         if not secs:
             out.append((where, "no sections: declare at least one"))
-        elif where == ("input", "sections") and all(isinstance(s, dict) and s.get("action") == "value" for s in secs):
+        elif where[:2] == ("input", "sections") and all(isinstance(s, dict) and s.get("action") == "value" for s in secs):
             # a single output is a token sequence; a value rides along with it (it crashed the writer)
             out.append((where, "single-output sections need at least one train, mask or $role section; "
                                "value sections only copy values next to the tokens"))
         for i, s in enumerate(secs):
             if not isinstance(s, dict):
                 continue
-            at = where + (i,)
+            at = where + (i,) if where[-1] != "format" else where
             tmpl = s.get("template") is True
-            uses_template |= tmpl
             if s.get("action") == "$role" and not tmpl:
                 out.append((at + ("action",), "action '$role' needs template: true (role rules apply to rendered messages)"))
             if s.get("action") == "value" and tmpl:
@@ -202,8 +239,6 @@ def pipeline_combination_problems(data: Any) -> list[tuple[tuple, str]]:
                 out.append((at + ("separator",), "separator applies to plain sections; a template section is "
                                                  "rendered exactly as the template says"))
     out += _value_column_problems(sections, sources)
-    if uses_template and get_in(data, "chat_template") is None:
-        out.append(((), "a section has template: true but chat_template is not set (use 'tokenizer', a bundled name or a .jinja path)"))
     pp = get_in(data, "preprocessing", default={}) or {}
     strategy = get_in(pp, "packing_strategy", default="none")
     mpl, msl = get_in(pp, "max_packed_len"), get_in(pp, "max_seq_len")
@@ -302,6 +337,21 @@ def _value_column_problems(sections: Any, sources: Any) -> list[tuple[tuple, str
     return out
 
 
-def load_pipeline(path: str | os.PathLike, overrides: tuple[str, ...] = (), shown_prefix: str = "") -> Pipeline:
-    """`shown_prefix`: how the overrides were written (a recipe's `pipeline.`), for their errors."""
-    return load_model(path, Pipeline, overrides, shown_prefix)
+def load_pipeline(path: str | os.PathLike, overrides: tuple[str, ...] = (), shown_prefix: str = "",
+                  input_format: Optional[str] = None) -> Pipeline:
+    """`shown_prefix`: how the overrides were written (a recipe's `pipeline.`), for their errors.
+    `input_format`: read the records in that format instead of the pipeline's own input (a recipe's
+    preprocess `format:`); the overrides apply after it."""
+    if input_format is None:
+        return load_model(path, Pipeline, overrides, shown_prefix)
+    data, marks = load_yaml(path)
+    if isinstance(data, dict):
+        data["input"] = with_format(data.get("input"), input_format)
+    return validate_data(data, Pipeline, str(path), marks, override(data, overrides, path, shown_prefix))
+
+
+def with_format(inp: Any, input_format: str) -> dict:
+    """A pipeline's raw `input:` read as `input_format`: its sections, sources or format replaced,
+    its other keys (tools_field, template_kwargs) kept."""
+    kept = {k: v for k, v in inp.items() if k not in ("format", "sections", "sources")} if isinstance(inp, dict) else {}
+    return {**kept, "format": input_format}

@@ -119,7 +119,9 @@ def split_overrides(overrides, stage_names) -> tuple[list[str], list[str]]:
 
 def _staged_preprocess(path, data: dict, marks: dict, overrides) -> "Loaded":
     """The first preprocess stage of a recipe, as `inspect` and `validate` need it. A tokenizer that
-    names a stage is that stage's output, which exists once it has run."""
+    names a tokenizer stage is that stage's output, which exists once it has run; one that names a
+    checkpoint stage is the checkpoint's (a `package:` checkpoint stays named so: the verb converts it,
+    astrai.recipe.checkpoint_stage.tokenizer_source)."""
     stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
     stage_sets, pipe_sets = split_overrides(overrides, list(stages))
     if stage_sets:
@@ -139,25 +141,30 @@ def _staged_preprocess(path, data: dict, marks: dict, overrides) -> "Loaded":
     tok = block.get("tokenizer")
     if isinstance(tok, str) and tok in stages:
         out = _tokenizer_of_stage(path, data, tok)
-        if not (out / "tokenizer.json").exists():
+        if isinstance(out, str):  # a packaged checkpoint
+            tok = out
+        elif not (out / "tokenizer.json").exists():
             line, col = find_mark(marks, ("stages", name, "tokenizer"))
             raise ConfigError(str(path), [Problem(f"stages.{name}.tokenizer", f"the tokenizer of stage '{tok}' is "
                                                   f"made by running it: astrai run {path} --only {tok}", line, col)])
-        tok = str(out)
+        else:
+            tok = str(out)
     elif isinstance(tok, str):
         tok = _tokenizer_path(base, tok)
     inputs = [recipe_path(base, i) for i in block.get("inputs") or []]
-    pipeline = load_pipeline(pipe_path, tuple(list(block.get("overrides") or []) + list(pipe_sets)))
+    fmt = block.get("format")
+    pipeline = load_pipeline(pipe_path, tuple(list(block.get("overrides") or []) + list(pipe_sets)),
+                             input_format=fmt if isinstance(fmt, str) else None)
     return Loaded(pipeline, pipe_path, base, tuple(inputs), tok)
 
 
-def _tokenizer_of_stage(path, data: dict, name: str) -> Path:
-    """Where the tokenizer a stage makes is: its output, or for a checkpoint stage the checkpoint (a
-    directory as written, or the one its finished run points to: a converted package)."""
+def _tokenizer_of_stage(path, data: dict, name: str):
+    """Where the tokenizer a stage makes is: its output (the directory its finished run points to, if
+    any), or for a checkpoint stage the checkpoint: a directory as written, or its `package:NAME`."""
     block = data["stages"][name]
     given = block.get("path") if isinstance(block, dict) and block.get("kind", name) == "checkpoint" else None
-    if isinstance(given, str) and not given.startswith("package:"):
-        return Path(recipe_path(Path(path).parent, given))
+    if isinstance(given, str):
+        return given if given.startswith("package:") else Path(recipe_path(Path(path).parent, given))
     out = stage_output(path, data, name)
     try:
         pointed = json.loads((out.parent / "metrics.json").read_text()).get("points_to")

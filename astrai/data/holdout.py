@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
+from astrai.data.streams import open_stream
+
 SIDES = ("train", "val")
 
 
@@ -65,9 +67,7 @@ def positions(file: str, kind: str) -> int:
         with open(file, "rb") as fh:
             return _lines(iter(lambda: fh.read(1 << 24), b""))
     if kind in ("jsonl.gz", "jsonl.zst"):
-        from astrai.data.read import Partition, _open_stream
-
-        with _open_stream(Partition(0, file, kind, 0, -1)) as fh:
+        with open_stream(file, kind) as fh:
             return _lines(iter(lambda: fh.read(1 << 24), b""))
     if kind == "parquet":
         import pyarrow.parquet as pq

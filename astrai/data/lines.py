@@ -74,8 +74,8 @@ def parse_json_line(raw: bytes, where: str):
         return RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line")
     if where == "1" and text.startswith("\ufeff"):
         text = text[1:]  # a UTF-8 byte order mark (some editors write one) is not part of the record
-    try:
-        rec = json.loads(text)
+    try:  # without its line ending: a line cut short is then reported where it stops, not at "column 1"
+        rec = json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         return RecordError("invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
     except RecursionError:

@@ -21,6 +21,7 @@ Every problem is a RecordError keyed by the user's own names (conversations[2].f
 
 from __future__ import annotations
 
+from astrai.config.formats import FORMATS, format_hint
 from astrai.config.pipeline import Section
 from astrai.errors import RecordError
 from astrai.data.values import check_unicode, type_name
@@ -49,13 +50,14 @@ def read_messages(rec: dict, s: Section, mask_roles, any_role: bool) -> tuple[li
                 n_prompt = len(msgs)
             msgs.extend(_message_list(rec, f, s, mask_roles, any_role))
     if not msgs:
-        raise RecordError("empty_conversation", "the conversation has no messages", key=section_fields(s)[0])
+        raise RecordError("empty_conversation", "the conversation has no messages" + _hint(rec, s),
+                          key=section_fields(s)[0])
     return msgs, n_prompt
 
 
 def _message_list(rec: dict, f: str, s: Section, mask_roles, any_role: bool) -> list[dict]:
     if f not in rec:
-        raise RecordError("missing_field", "field is missing", key=f)
+        raise RecordError("missing_field", "field is missing" + _hint(rec, s), key=f)
     v = rec[f]
     if isinstance(v, str):  # a bare string in a message list position: a user/assistant turn
         raise RecordError("wrong_type", "must be a list of messages ({role, content}), got a string", key=f)
@@ -99,6 +101,12 @@ def _message_list(rec: dict, f: str, s: Section, mask_roles, any_role: bool) -> 
             m = dict(m, role=mapped)
         out.append(m)
     return out
+
+
+def _hint(rec: dict, s: Section) -> str:
+    """Which format to set when the record is in another one than the section reads."""
+    reading = next((name for name, f in FORMATS.items() if Section(**f) == s), None)
+    return format_hint(rec, reading)
 
 
 def _from_fields(rec: dict, s: Section) -> list[dict]:

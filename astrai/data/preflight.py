@@ -8,6 +8,10 @@ Markers are found in what the template renders around probe messages (never in m
 by their shape: `<|...|>` or `<name>` / `</name>` (lower-case names, so Llama-2's `<<SYS>>` and
 `[INST]`, plain text by design, are not taken for markers).
 
+`check_model_template`: a tokenizer that is a model checkpoint's (config.json beside it) carries the
+template the model serves with; data rendered with another one is refused before any work unless
+the pipeline allows it (astrai.text.drift).
+
 `check_reject_share`: a run that keeps nothing, or rejects more than `max_reject_share` of what it
 read, fails with the reasons instead of exiting 0.
 """
@@ -53,6 +57,23 @@ def check_template_markers(processor) -> None:
         raise InputError(f"chat template {processor.template.name}: {listed} {verb} of tokenizer "
                          f"{processor.tok.path}, so every message boundary would be rejected (boundary_straddle); add `added_tokens: [{', '.join(split)}]` to the pipeline, "
                          f"or use a tokenizer (or template) that has them")
+
+
+def check_model_template(pipeline, tokenizer, template) -> None:
+    """Refuse (InputError) a template that renders unlike the one of the checkpoint the tokenizer
+    comes from, unless `chat_template_mismatch: allow`."""
+    from pathlib import Path
+
+    from astrai.text.drift import MISMATCH_FIX, template_difference
+    from astrai.text.template import resolve_template
+
+    if template is None or pipeline.chat_template_mismatch == "allow" or not tokenizer.chat_template \
+            or not (Path(tokenizer.path) / "config.json").is_file():
+        return
+    diff = template_difference(template, resolve_template("tokenizer", tokenizer), tokenizer.special_tokens_map,
+                               dict(pipeline.input.template_kwargs))
+    if diff:
+        raise InputError(f"{diff}; {MISMATCH_FIX}")
 
 
 def check_reject_share(stats: dict, max_share: float, rejects_path: str) -> None:

@@ -94,8 +94,8 @@ class Processor:
         self.p = pipeline
         self.tok = with_added_tokens(tokenizer, pipeline.added_tokens)
         self.template = template
-        if self.template is None and pipeline.chat_template is not None:
-            self.template = resolve_template(pipeline.chat_template, self.tok, base_dir)
+        if self.template is None and pipeline.template_spec is not None:
+            self.template = resolve_template(pipeline.template_spec, self.tok, base_dir)
         self.special = dict(self.tok.special_tokens_map)
         self.kwargs = dict(pipeline.input.template_kwargs)
         self.gen_prompt, self.answer_lead, after_answer = (
@@ -105,8 +105,8 @@ class Processor:
         # the pipeline sets mask_default: then that rule covers every other role.
         self.any_role = pipeline.mask_default is not None
         self.roles_allowed = list(pipeline.mask)  # in the pipeline's order, for messages
-        if pipeline.input.sections is not None:
-            self.sources = {"": (pipeline.input.sections, None)}
+        if pipeline.input.single_sections is not None:
+            self.sources = {"": (pipeline.input.single_sections, None)}
         else:
             self.sources = {k: (s.sections, s.list_field) for k, s in pipeline.input.sources.items()}
         self.list_sources = {name for name, (_, list_field) in self.sources.items() if list_field is not None}

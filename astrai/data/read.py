@@ -31,6 +31,7 @@ from typing import Iterator, Optional, Union
 from astrai.config.pipeline import Preprocessing
 from astrai.data.holdout import position
 from astrai.data.lines import TOO_DEEP, LongLine, bounded_lines, parse_json_line, records, skip_line, too_long
+from astrai.data.streams import open_stream
 from astrai.errors import InputError, RecordError, open_regular, regular_file
 from astrai.runtime import inside_output
 
@@ -279,24 +280,8 @@ def _read_jsonl(p: Partition, keep, max_bytes: int) -> Iterator[Item]:
 
 def _read_jsonl_stream(p: Partition, keep, max_bytes: int) -> Iterator[Item]:
     """Compressed JSONL, decompressed as a stream (never whole in memory), numbered like JSONL."""
-    with _open_stream(p) as fh:
+    with open_stream(p.file, p.kind) as fh:
         yield from records(bounded_lines(fh, max_bytes), p.first_where, keep, max_bytes)
-
-
-def _open_stream(p: Partition):
-    import io
-
-    if p.kind == "jsonl.gz":
-        import gzip
-
-        return gzip.open(p.file, "rb")
-    try:
-        import zstandard
-    except ImportError:
-        raise InputError(f"input {p.file}: reading .zst needs the zstandard package (pip install zstandard, "
-                         f"or astrai[zstd])") from None
-    raw = open(p.file, "rb")
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
 
 
 def _read_json(p: Partition, max_bytes: int) -> Iterator[Item]:

@@ -73,6 +73,9 @@ def save_model(model: CausalLM, directory: Union[str, os.PathLike], state: Optio
 
 def read_config(directory: Union[str, os.PathLike]) -> ModelConfig:
     d = Path(directory)
+    if not d.exists():
+        raise ModelFileError(f"{d}: no such file or directory (give a checkpoint directory: config.json + "
+                             f"model.safetensors)")
     if not d.is_dir():
         raise ModelFileError(f"{d}: not a checkpoint directory (config.json + model.safetensors)")
     if not (d / CONFIG).exists():

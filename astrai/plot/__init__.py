@@ -12,9 +12,10 @@
 A panel appears when its metrics were logged. A step logged twice (a resumed run repeats the steps
 after its last checkpoint) keeps its latest value.
 
-`write_plot(path, panels, title)` draws them with matplotlib (the `plot` extra, imported here only)
-side by side; without matplotlib it falls back to astrai.plot.png, which draws the loss panel alone.
-The file is written under a temporary name and renamed (astrai.runtime.atomic_write_bytes).
+`write_plot(path, panels, title)` draws them with matplotlib side by side: the plot is a feature of
+the `plot` extra (`pip install 'astrai[plot]'`, also in `sample`), imported here only. Without it no
+file is written (None is returned; metrics.jsonl holds every figure). The file is written under a
+temporary name and renamed, never through a link planted at the name (astrai.runtime.atomic_write_bytes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+from typing import Optional
 
 from astrai.runtime import atomic_write_bytes
 
@@ -60,21 +62,17 @@ def _as_panels(curves_or_loss: dict) -> dict:
     return curves_or_loss
 
 
-def write_plot(path, panels: dict, title: str = "") -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    panels = _as_panels(panels)
+def write_plot(path, panels: dict, title: str = "") -> Optional[Path]:
+    """The PNG at `path`, or None where matplotlib (the `plot` extra) is not installed."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        from astrai.plot.png import render_loss
-
-        png = render_loss(panels.get("loss", {})).png()
-    else:
-        buf = io.BytesIO()
-        _matplotlib(Figure, buf, panels, title)
-        png = buf.getvalue()
-    atomic_write_bytes(path, png)  # never through a link planted at the name (astrai.runtime.files)
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    _matplotlib(Figure, buf, _as_panels(panels), title)
+    atomic_write_bytes(path, buf.getvalue())
     return path
 
 

@@ -28,7 +28,7 @@ def _tokenizer_extra(options, base_dir) -> dict:
 
 # the configuration modules data stages read (not the train, serve or recipe option models: a change
 # there must not rerun preprocessing)
-_CONFIG = ("astrai.config.loading", "astrai.config.pipeline")
+_CONFIG = ("astrai.config.loading", "astrai.config.pipeline", "astrai.config.formats")
 
 TOKENIZER = StageKind(
     "tokenizer", TokenizerOptions, run_tokenizer_stage, produces="tokenizer", files=("inputs",),
@@ -92,7 +92,7 @@ def _checkpoint_kind() -> StageKind:
         # what it reads and describes (config), converts (packaged) and how it locates a package; not the
         # whole of astrai.model: a change to the layers would rerun it and, through its output, preprocess
         code=("astrai.recipe.checkpoint_stage", "astrai.model.packaged", "astrai.model.config",
-              "astrai.model.hf_config", "astrai.text.tokenizer", "astrai.config.pipeline", "astrai.config.loading",
+              "astrai.model.hf_config", "astrai.text", "astrai.recipe.template_check", "astrai.config.pipeline", "astrai.config.formats", "astrai.config.loading",
               "astrai.schema"),
         describe=describe_checkpoint,
         check=check_checkpoint, extra=checkpoint_extra, figures=("architecture", "layers", "vocab_size"))

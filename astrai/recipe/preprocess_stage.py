@@ -24,6 +24,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from astrai.config.loading import get_in, raise_combination_problems
+from astrai.config.pipeline import InputFormat
 
 TRAIN, VAL = "train", "val"
 
@@ -35,6 +36,9 @@ class PreprocessOptions(BaseModel):
 
     pipeline: str = Field(description="pipeline YAML path")
     inputs: list[str] = Field(description="input files or globs")
+    format: Optional[InputFormat] = Field(
+        None, description="read the inputs as this chat format instead of the pipeline's input: messages | "
+                          "sharegpt | alpaca | prompt_completion (rendered with the pipeline's chat_template)")
     tokenizer: Optional[str] = Field(None, description="a tokenizer stage's name, an HF tokenizer dir or "
                                                        "package:NAME; default: the pipeline's")
     overrides: list[str] = Field(default_factory=list, description="pipeline overrides, as --set key=value")
@@ -68,7 +72,7 @@ def data_dirs(output: Path) -> tuple[Path, Optional[Path]]:
 def load_stage_pipeline(options: PreprocessOptions, base_dir: Path):
     from astrai.config.pipeline import load_pipeline
 
-    return load_pipeline(base_dir / options.pipeline, tuple(options.overrides))
+    return load_pipeline(base_dir / options.pipeline, tuple(options.overrides), input_format=options.format)
 
 
 def data_kind(pipeline) -> str:
@@ -76,26 +80,49 @@ def data_kind(pipeline) -> str:
     sources = pipeline.input.sources
     if sources:
         return "grpo" if any(s.list_field for s in sources.values()) else "dpo"
-    trained_only = all(not s.template and s.action in ("train", "value") for s in pipeline.input.sections)
+    trained_only = all(not s.template and s.action in ("train", "value") for s in pipeline.input.single_sections)
     return "text" if trained_only else "labels"
 
 
 def describe_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict) -> dict:
     pipeline = load_stage_pipeline(options, base_dir)
     tok = upstream.get("tokenizer")
+    pipe_dir = (base_dir / options.pipeline).parent
     if tok and tok.get("checkpoint"):  # a checkpoint stage: named as the checkpoint names its own tokenizer
         tokenizer = tok.get("tokenizer")
     elif tok:
         tokenizer = f"stage:{tok['stage']}" if "stage" in tok else tok.get("path")
     else:
         tokenizer = pipeline.tokenizer
-    return {"data_kind": data_kind(pipeline), "packed": pipeline.preprocessing.packing_strategy != "none",
-            "tokenizer": tokenizer, "held_out": options.holdout > 0}
+    out = {"data_kind": data_kind(pipeline), "packed": pipeline.preprocessing.packing_strategy != "none",
+           "tokenizer": tokenizer, "held_out": options.holdout > 0}
+    if pipeline.template_spec is not None:  # what it renders with (astrai.recipe.template_check)
+        loadable = tokenizer if tok or not tokenizer or tokenizer.startswith("package:") else str(pipe_dir / tokenizer)
+        out.update(template={"spec": pipeline.template_spec, "tokenizer": loadable, "dir": str(pipe_dir)},
+                   template_mismatch=pipeline.chat_template_mismatch,
+                   template_kwargs=dict(pipeline.input.template_kwargs),
+                   template_checked=tokenizer_checkpoint(upstream))  # compared by check_preprocess
+    return out
+
+
+def tokenizer_checkpoint(upstream: dict) -> Optional[dict]:
+    """The template description of the checkpoint the stage's tokenizer comes from (a checkpoint stage,
+    or a checkpoint directory given as the tokenizer), else None."""
+    from astrai.recipe.template_check import checkpoint_template
+
+    tok = upstream.get("tokenizer") or {}
+    if tok.get("checkpoint"):
+        return checkpoint_template(tok["tokenizer"])
+    if tok.get("path") and (Path(tok["path"]) / "config.json").is_file():
+        return checkpoint_template(tok["path"])
+    return None
 
 
 def check_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict) -> list[tuple[str, str]]:
-    """The pipeline itself is valid (its own located problems) and a tokenizer is named somewhere."""
+    """The pipeline itself is valid (its own located problems), a tokenizer is named somewhere, and a
+    checkpoint's tokenizer comes with the template the data is rendered with (or the pipeline allows another)."""
     from astrai.config.loading import ConfigError
+    from astrai.recipe.template_check import drift_problem
 
     try:
         pipeline = load_stage_pipeline(options, base_dir)
@@ -107,7 +134,8 @@ def check_preprocess(options: PreprocessOptions, base_dir: Path, upstream: dict)
     if tok.get("produces") == "model" and "checkpoint" not in tok and "path" not in tok:
         return [("tokenizer", f"'{options.tokenizer}' is a train stage; name a tokenizer or checkpoint stage, or a "
                               f"tokenizer directory")]
-    return []
+    drift = drift_problem(describe_preprocess(options, base_dir, upstream), tokenizer_checkpoint(upstream))
+    return [("pipeline", drift)] if drift else []
 
 
 def preprocess_extra(options: PreprocessOptions, base_dir: Path) -> dict:
@@ -122,8 +150,8 @@ def preprocess_extra(options: PreprocessOptions, base_dir: Path) -> dict:
     if options.tokenizer is None and pipeline.tokenizer:
         tok_dir = resolve_tokenizer_path(pipeline.tokenizer, pipe_dir)
         out["tokenizer"] = {n: path_digest(tok_dir / n) for n in TOKENIZER_FILES if (tok_dir / n).exists()}
-    template = pipeline.chat_template
-    if template:
+    template = pipeline.template_spec
+    if template and template != "tokenizer":
         from astrai.text.template import bundled_templates
 
         path = bundled_templates().get(template) or pipe_dir / template  # bundled files are not .py code

@@ -78,7 +78,26 @@ def check_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> l
     if options.val_data and (upstream.get("val_data") or {}).get("tokenizer") != data.get("tokenizer"):
         problems.append(("val_data", f"'{options.val_data}' was preprocessed with another tokenizer than "
                                      f"'{options.data}'; use the same tokenizer for both"))
+    from astrai.train.report import check_reporters  # a missing tracker: refused here, not when training starts
+
+    problems += [("report_to", p) for p in check_reporters(options.reporters)]
+    drift = _template_drift(options, data, upstream.get("model") or {})
+    if drift:
+        problems.append(("data", f"'{options.data}' and '{options.model}': {drift}"))
     return problems
+
+
+def _template_drift(options: TrainStageOptions, data: dict, model: dict):
+    """The data's template against the one the model serves with (astrai.recipe.template_check); a
+    checkpoint the data's own tokenizer came from was compared by the preprocess stage already."""
+    from astrai.recipe.template_check import checkpoint_template, drift_problem
+
+    served = model.get("template")
+    if served is None and model.get("path") and (Path(model["path"]) / "tokenizer.json").is_file():
+        served = checkpoint_template(model["path"])  # a checkpoint directory given as the model
+    if served is None or served == data.get("template_checked"):
+        return None
+    return drift_problem(data, served)
 
 
 GROWABLE = ("max_steps", "epochs")
@@ -97,7 +116,9 @@ def continues_train(old: dict, new: TrainStageOptions) -> bool:
 
 def describe_train(options: TrainStageOptions, base_dir: Path, upstream: dict) -> dict:
     data = upstream.get("data") or {}
-    return {"tokenizer": data.get("tokenizer"), "strategy": options.strategy, "data_kind": data.get("data_kind")}
+    # the checkpoint it writes carries its data's template (astrai.train.data.TrainData.write_tokenizer)
+    return {"tokenizer": data.get("tokenizer"), "strategy": options.strategy, "data_kind": data.get("data_kind"),
+            "template": data.get("template")}
 
 
 def run_train_stage(ctx) -> dict:

@@ -168,29 +168,44 @@ class Metrics(Callback):
 
 
 class ProgressBar(Callback):
-    """One tqdm bar over the optimizer steps that will run (max_steps or the epochs' steps, from the
-    resumed step on), so its rate and ETA are the run's; the postfix shows the epoch and the loss."""
+    """Progress over the optimizer steps that will run (max_steps or the epochs' steps, from the
+    resumed step on), so its rate and ETA are the run's: on a terminal a tqdm bar whose postfix shows
+    the epoch and the loss; in a log (not a terminal) plain lines every few seconds
+    (astrai.runtime.Progress), never a bar's carriage returns."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.bar = enabled, None
+        self.enabled, self.bar, self.lines = enabled, None, None
 
     def on_train_begin(self, trainer):
-        if self.enabled and trainer.dist.is_main:
+        if not (self.enabled and trainer.dist.is_main):
+            return
+        import sys
+
+        if sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=trainer.total_steps, initial=trainer.state.global_step, desc="train",
                             unit="step", leave=False, dynamic_ncols=True)
+        else:
+            from astrai.runtime import Progress
+
+            self.lines = Progress(max(trainer.total_steps - trainer.state.global_step, 0), "steps")
 
     def on_batch_end(self, trainer):
-        if self.bar is not None and trainer.state.synced:
+        if not trainer.state.synced:
+            return
+        if self.bar is not None:
             self.bar.update(1)
             loss = trainer.state.step_metrics.get("loss", float("nan"))
             self.bar.set_postfix(epoch=trainer.state.epoch, loss=f"{loss:.4f}")
+        elif self.lines is not None:
+            self.lines.update(1)
 
     def on_train_end(self, trainer):
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        for p in (self.bar, self.lines):
+            if p is not None:
+                p.close()
+        self.bar = self.lines = None
 
 
 def drop_cut_line(path: Path):

@@ -11,11 +11,13 @@ its fix.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from astrai.data.load import ShardDataset
 from astrai.errors import InputError
+from astrai.runtime import atomic_write_text
 from astrai.schema import INPUT_IDS, LABELS
 
 
@@ -60,20 +62,42 @@ class TrainData:
     def vocab_size(self) -> int:
         return self.tokenizer.tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def chat_template(self):
+        """The template the data was rendered with (a ChatTemplate), or None: no template section."""
+        from astrai.text.template import ChatTemplate
+
+        man = self.dataset.manifest
+        source = man.get("chat_template_source")
+        if source is None:  # a manifest that records only the template's name
+            spec = man["pipeline"].get("chat_template")
+            if not spec:
+                return None
+            from astrai.text.template import resolve_template
+
+            return resolve_template(spec, self.tokenizer)
+        return ChatTemplate(source, str(man.get("chat_template") or "the data's template"))
+
     def write_tokenizer(self, out: Path):
-        """tokenizer.json (with the added tokens), its config files, and the data's chat template."""
+        """tokenizer.json (with the added tokens), its config files, and the chat template the data was
+        rendered with, as chat_template.jinja and (where the config holds one) in tokenizer_config.json:
+        generate, chat and serve render with exactly the template training saw."""
         tok = self.tokenizer
-        tok.tok.save(str(Path(out) / "tokenizer.json"))
+        out = Path(out)
+        tok.tok.save(str(out / "tokenizer.json"))
         for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (tok.path / name).exists():
-                shutil.copyfile(tok.path / name, Path(out) / name)
-        spec = self.dataset.manifest["pipeline"].get("chat_template")
-        if spec and spec != "tokenizer" and not (Path(out) / "chat_template.jinja").exists():
-            from astrai.text.template import bundled_templates
-
-            bundled = bundled_templates()
-            if spec in bundled:  # a template file path is the pipeline's; a bundled one we can ship
-                shutil.copyfile(bundled[spec], Path(out) / "chat_template.jinja")
+                shutil.copyfile(tok.path / name, out / name)
+        template = self.chat_template
+        if template is None:
+            return
+        atomic_write_text(out / "chat_template.jinja", template.source)
+        config = out / "tokenizer_config.json"
+        if config.exists():
+            data = json.loads(config.read_text(encoding="utf-8"))
+            if "chat_template" in data:  # tools that read only the config must see the same template
+                data["chat_template"] = template.source
+                atomic_write_text(config, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def compat_problems(strategy: str, data: TrainData, model_vocab: int, online: bool = False) -> list[str]:
@@ -98,3 +122,26 @@ def compat_problems(strategy: str, data: TrainData, model_vocab: int, online: bo
         p.append(f"the data's tokenizer has {data.vocab_size} tokens but the model's embedding only {model_vocab}; "
                  f"use a model with vocab_size >= {data.vocab_size} (a size preset takes the tokenizer's size)")
     return p
+
+
+def template_problem(data: TrainData, model: str) -> str | None:
+    """Why training checkpoint `model` on `data` would teach a format it never sees at inference: the
+    data was rendered with another chat template than the one the checkpoint serves with (its
+    tokenizer's), and the pipeline did not say `chat_template_mismatch: allow`. None when fine, or
+    when `model` has no template of its own (a preset or a config.json: random weights)."""
+    from astrai.text.drift import MISMATCH_FIX, template_difference
+    from astrai.text.template import resolve_template
+    from astrai.text.tokenizer import load_tokenizer
+
+    template = data.chat_template
+    if template is None or data.dataset.manifest["pipeline"].get("chat_template_mismatch") == "allow":
+        return None
+    d = Path(model)
+    if not (d / "tokenizer.json").is_file():
+        return None
+    tok = load_tokenizer(str(d))
+    if not tok.chat_template:
+        return None
+    kwargs = (data.dataset.manifest["pipeline"].get("input") or {}).get("template_kwargs") or {}
+    diff = template_difference(template, resolve_template("tokenizer", tok), tok.special_tokens_map, kwargs)
+    return f"{data.dir}: {diff}; {MISMATCH_FIX}" if diff else None

@@ -179,7 +179,8 @@ def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dic
     records = read_records(out / "metrics.jsonl") if dist.is_main else state.history
     plot = None
     if dist.is_main and records:
-        plot = str(write_plot(out / "loss.png", curves(records), f"{options.strategy}: {out.name}"))
+        drawn = write_plot(out / "loss.png", curves(records), f"{options.strategy}: {out.name}")
+        plot = str(drawn) if drawn else None  # None: matplotlib (the plot extra) is not installed
     finish(dist)  # final/ is on disk before any rank returns; and see distributed.finish
     f = figures(records)
     return {"output": str(out), "final": str(final) if state.stopped is None else None,

@@ -18,7 +18,10 @@ SHAREGPT_ROLE = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
 def bundled(name, *sets):
-    return load_pipeline(ROOT / "pipelines" / name, ("preprocessing.packing_strategy=none", *sets))
+    # sharegpt.yaml and alpaca.yaml render with the model's own template; the tiny tokenizer has none,
+    # so ChatML stands in for it here, the template chatml_sft.yaml renders the messages forms with
+    own = ("chat_template=chatml",) if name in ("sharegpt.yaml", "alpaca.yaml") else ()
+    return load_pipeline(ROOT / "pipelines" / name, ("preprocessing.packing_strategy=none", *own, *sets))
 
 
 def rows(out):
@@ -51,7 +54,7 @@ def as_messages(rec):
 
 def test_sharegpt_equals_its_messages_form_token_for_token(tmp_path, tiny_tokenizer):
     recs = sharegpt_records(60, seed=1)
-    s_stats, s_rows = run(bundled("sharegpt_chatml.yaml"), recs, tmp_path / "sharegpt", tiny_tokenizer)
+    s_stats, s_rows = run(bundled("sharegpt.yaml"), recs, tmp_path / "sharegpt", tiny_tokenizer)
     m_stats, m_rows = run(bundled("chatml_sft.yaml"), [as_messages(r) for r in recs], tmp_path / "messages",
                           tiny_tokenizer)
     assert s_stats["records_kept"] == m_stats["records_kept"] == 60
@@ -64,7 +67,7 @@ def test_sharegpt_equals_its_messages_form_token_for_token(tmp_path, tiny_tokeni
 def test_sharegpt_roles_pass_through_and_unknown_ones_are_rejected_at_their_key(tmp_path, tiny_tokenizer):
     ok = {"conversations": [{"from": "user", "value": "hello"}, {"from": "assistant", "value": "fine"}]}
     typo = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gtp", "value": "fine"}]}
-    stats, out_rows = run(bundled("sharegpt_chatml.yaml"), [ok, typo], tmp_path / "o", tiny_tokenizer)
+    stats, out_rows = run(bundled("sharegpt.yaml"), [ok, typo], tmp_path / "o", tiny_tokenizer)
     assert stats["records_kept"] == 1 and stats["rejected_by_reason"] == {"unknown_role": 1}
     (reject,) = [json.loads(line) for line in (tmp_path / "o" / "rejects.jsonl").open()]
     assert (reject["line"], reject["key"]) == ("2", "conversations[1].from")
@@ -76,7 +79,7 @@ def test_sharegpt_problems_name_the_users_keys(tmp_path, tiny_tokenizer):
     bad = [{"conversations": [{"from": "human"}]},
            {"conversations": [{"value": "x"}]},
            {"conversations": [{"from": "human", "value": 3}]}]
-    stats, _ = run(bundled("sharegpt_chatml.yaml", "preprocessing.max_reject_share=1.0"),
+    stats, _ = run(bundled("sharegpt.yaml", "preprocessing.max_reject_share=1.0"),
                    bad + sharegpt_records(1), tmp_path / "o", tiny_tokenizer)
     got = [(json.loads(line)["key"], json.loads(line)["reason"]) for line in (tmp_path / "o" / "rejects.jsonl").open()]
     assert got == [("conversations[0].value", "missing_field"), ("conversations[0].from", "missing_field"),
@@ -107,7 +110,7 @@ def alpaca_as_messages(rec):
 
 def test_alpaca_equals_its_messages_form_token_for_token(tmp_path, tiny_tokenizer):
     recs = alpaca_records(50, seed=2)
-    a_stats, a_rows = run(bundled("alpaca_chatml.yaml"), recs, tmp_path / "alpaca", tiny_tokenizer)
+    a_stats, a_rows = run(bundled("alpaca.yaml"), recs, tmp_path / "alpaca", tiny_tokenizer)
     m_stats, m_rows = run(bundled("chatml_sft.yaml"), [alpaca_as_messages(r) for r in recs], tmp_path / "messages",
                           tiny_tokenizer)
     assert a_stats["records_kept"] == m_stats["records_kept"] == 50
@@ -117,7 +120,7 @@ def test_alpaca_equals_its_messages_form_token_for_token(tmp_path, tiny_tokenize
 
 def test_alpaca_bad_fields_are_rejected_with_their_key(tmp_path, tiny_tokenizer):
     bad = [{"instruction": "hi", "input": 5, "output": "x"}, {"instruction": "hi", "output": ""}]
-    stats, _ = run(bundled("alpaca_chatml.yaml", "preprocessing.on_error=skip"), bad + alpaca_records(2),
+    stats, _ = run(bundled("alpaca.yaml", "preprocessing.on_error=skip"), bad + alpaca_records(2),
                    tmp_path / "o", tiny_tokenizer)
     assert stats["rejected_by_reason"] == {"wrong_type": 1}
     assert stats["records_kept"] == 2 and stats["records_filtered"] == 1  # no answer: nothing to train
@@ -153,9 +156,9 @@ def test_inspect_shows_the_mapped_roles(tmp_path, tiny_tokenizer, capsys):
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(sharegpt_records(1, seed=4)[0]) + "\n")
-    pipe = ROOT / "pipelines" / "sharegpt_chatml.yaml"
+    pipe = ROOT / "pipelines" / "sharegpt.yaml"
     assert main(["inspect", str(pipe), "-i", str(data), "--tokenizer", str(tiny_tokenizer), "-n", "1",
-                 "--format", "json"]) == 0
+                 "--format", "json", "--set", "chat_template=chatml"]) == 0
     tokens = [t for line in capsys.readouterr().out.splitlines() for t in json.loads(line).get("tokens", [])]
     roles = {t.get("role") for t in tokens} - {None}
     assert {"user", "assistant"} <= roles <= {"system", "user", "assistant"}
@@ -180,10 +183,77 @@ def test_real_sharegpt_as_it_comes(tmp_path, tiny_tokenizer):
     converted = [{"messages": [{"role": known.get(t["from"], t["from"]), "content": t["value"]}
                                for t in r["conversations"]]} for r in recs]
     sets = ("preprocessing.on_error=skip", "preprocessing.max_reject_share=1.0", "preprocessing.max_seq_len=1000000")
-    s_stats, s_rows = run(bundled("sharegpt_chatml.yaml", *sets), recs, tmp_path / "sharegpt", tiny_tokenizer)
+    s_stats, s_rows = run(bundled("sharegpt.yaml", *sets), recs, tmp_path / "sharegpt", tiny_tokenizer)
     m_stats, m_rows = run(bundled("chatml_sft.yaml", *sets), converted, tmp_path / "messages", tiny_tokenizer)
     assert s_stats["records_kept"] > 750
     for key in ("records_kept", "rejected_by_reason", "filtered_by_reason", "tokens", "trained_tokens"):
         assert s_stats[key] == m_stats[key], key
     assert [r["input_ids"] for r in s_rows] == [r["input_ids"] for r in m_rows]
     assert [r["labels"] for r in s_rows] == [r["labels"] for r in m_rows]
+
+
+# -- input.format: a chat format by one key ---------------------------------------------------------
+
+def _by_format(fmt, conv):
+    user = [m["content"] for m in conv if m["role"] == "user"]
+    answer = [m["content"] for m in conv if m["role"] == "assistant"]
+    system = [m["content"] for m in conv if m["role"] == "system"]
+    if fmt == "sharegpt":
+        return {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                   "value": m["content"]} for m in conv]}
+    if fmt == "alpaca":
+        return {"instruction": user[0], "output": answer[0], **({"system": system[0]} if system else {})}
+    if fmt == "prompt_completion":
+        return {"prompt": user[0], "completion": answer[0]}
+    return {"messages": conv}
+
+
+@pytest.mark.parametrize("fmt", ["messages", "sharegpt", "alpaca", "prompt_completion"])
+def test_each_format_reads_the_same_rows_as_its_messages_form(fmt, tmp_path, tiny_tokenizer):
+    rng = random.Random(7)
+    convs = []
+    for i in range(30):
+        conv = [{"role": "system", "content": "be brief"}] if fmt != "prompt_completion" and i % 3 == 0 else []
+        conv += [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 12)))},
+                 {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 20)))}]
+        convs.append(conv)
+    own = tmp_path / "own.yaml"
+    own.write_text("version: 1\nchat_template: chatml\ninput: {format: messages}\n")
+    pipe = load_pipeline(own, ("preprocessing.packing_strategy=none",), input_format=fmt)
+    f_stats, f_rows = run(pipe, [_by_format(fmt, c) for c in convs], tmp_path / "f", tiny_tokenizer)
+    m_stats, m_rows = run(bundled("chatml_sft.yaml"), [{"messages": c} for c in convs], tmp_path / "m",
+                          tiny_tokenizer)
+    assert f_stats["records_kept"] == m_stats["records_kept"] == 30
+    assert [r["input_ids"] for r in f_rows] == [r["input_ids"] for r in m_rows]
+    assert [r["labels"] for r in f_rows] == [r["labels"] for r in m_rows]
+
+
+def test_a_record_of_another_format_says_which_key_to_set(tmp_path, tiny_tokenizer):
+    sharegpt = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "fine"}]}
+    alpaca = {"instruction": "hello", "output": "fine"}
+    own = tmp_path / "own.yaml"
+    own.write_text("version: 1\nchat_template: chatml\ninput: {format: messages}\n"
+                   "preprocessing: {on_error: skip, max_reject_share: 1.0}\n")
+    good = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"}]}
+    for fmt, records, key in (("messages", [sharegpt, alpaca], "messages"), ("alpaca", [sharegpt], "system")):
+        out = tmp_path / f"o-{fmt}"
+        run(load_pipeline(own, input_format=fmt), records + [good if fmt == "messages" else alpaca], out,
+            tiny_tokenizer)
+        rejects = [json.loads(line) for line in (out / "rejects.jsonl").open()]
+        assert [r["key"] for r in rejects] == [key] * len(records)
+        assert "set `format: sharegpt` (a recipe's preprocess stage) or `input.format: sharegpt`" in rejects[0]["detail"]
+    assert "set `format: alpaca`" in json.loads((tmp_path / "o-messages" / "rejects.jsonl").read_text().splitlines()[1])["detail"]
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"version": 1, "input": {"format": "messages", "sections": [{"field": "text"}]}}, "give exactly one of input.format"),
+    ({"version": 1, "input": {"format": "shargpt"}}, "shargpt"),
+    ({"version": 1, "input": {"format": "alpaca"}, "mask": {"user": "mask", "assistant": "train"}},
+     "role 'system' is not one of user, assistant"),
+])
+def test_format_problems_are_located(data, needle):
+    from astrai.config.loading import validate_data
+
+    with pytest.raises(ConfigError) as e:
+        validate_data(data, Pipeline, "p.yaml")
+    assert any(needle in p.message or needle in str(p) for p in e.value.problems), e.value.problems

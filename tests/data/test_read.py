@@ -41,6 +41,27 @@ def test_bad_jsonl_lines_are_located(tmp_path):
     assert all(isinstance(r, RecordError) for r, _ in items[1:])
 
 
+@pytest.mark.parametrize("cut", [40, 61, 75])
+@pytest.mark.parametrize("ending", ["\n", "\r\n", ""])
+def test_a_line_cut_short_is_reported_where_it_stops(tmp_path, cut, ending):
+    # the column Python's decoder gives for the line as it is, not "column 1" of the next line its
+    # line ending would make it look at; gz streams are read the same way
+    import gzip
+
+    line = json.dumps({"messages": [{"role": "user", "content": "hello there"},
+                                    {"role": "assistant", "content": "general kenobi"}]})[:cut]
+    with pytest.raises(json.JSONDecodeError) as e:
+        json.loads(line)
+    want = f"invalid JSON: {e.value.msg} (column {e.value.colno})"
+    assert e.value.colno > 1
+    (tmp_path / "a.jsonl").write_text('{"ok": 1}\n' + line + ending, newline="")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wb") as fh:
+        fh.write(('{"ok": 1}\n' + line + ending).encode())
+    for name in ("a.jsonl", "b.jsonl.gz"):
+        items, _ = read_all([tmp_path / name])
+        assert (items[1][0].detail, items[1][1]) == (want, "2")
+
+
 def test_json_object_list_parquet_and_hf_dir(tmp_path):
     (tmp_path / "one.json").write_text(json.dumps({"text": "a"}))
     (tmp_path / "many.json").write_text(json.dumps([{"text": "b"}, 5, {"text": "c"}]))

@@ -79,6 +79,10 @@ def test_errors_are_for_people(checkpoint, tmp_path, capsys):
     assert main(["generate", str(checkpoint), "--prompt", "x", "--max-tokens", "5000", "--device", "cpu",
                  "--kv-cache-tokens", "64"]) == 1
     assert "lower max_tokens" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "no-such-model"), "--prompt", "x", "--device", "cpu"]) == 1
+    assert f"{tmp_path / 'no-such-model'}: no such file or directory" in capsys.readouterr().err
+    assert main(["generate", str(bad), "--prompt", "x", "--device", "cpu"]) == 1  # a file: not a directory
+    assert f"{bad}: not a checkpoint directory" in capsys.readouterr().err
 
 
 class Terminal(io.StringIO):

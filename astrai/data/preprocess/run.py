@@ -24,7 +24,7 @@ from astrai.config.pipeline import Pipeline
 from astrai.errors import InputError
 from astrai.data.holdout import Holdout
 from astrai.data.preprocess.job import WORK, Job, Worker
-from astrai.data.preflight import check_reject_share, check_template_markers
+from astrai.data.preflight import check_model_template, check_reject_share, check_template_markers
 from astrai.data.preprocess.pack import pack_globally
 from astrai.data.preprocess.summary import summary_lines
 from astrai.data.preprocess.tokenize import PartitionTask, tokenize_partition, tokenize_partitions
@@ -78,7 +78,8 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
     if not tok_spec:
         raise InputError("no tokenizer: set `tokenizer:` in the pipeline, the recipe, or pass --tokenizer DIR")
     tok = load_tokenizer(tok_spec, base_dir, pipeline.added_tokens)  # Processor then needs no copy
-    template = resolve_template(pipeline.chat_template, tok, base_dir) if pipeline.chat_template else None
+    template = resolve_template(pipeline.template_spec, tok, base_dir) if pipeline.template_spec else None
+    check_model_template(pipeline, tok, template)  # before any work: data rendered unlike at serve time
     outp = Path(out)
     warnings: list[str] = []  # skipped or empty inputs, ignored settings: said, not ignored
     pp = pipeline.preprocessing
@@ -155,6 +156,7 @@ def _run_locked(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: Opti
         "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint,
                       "content": tok_content[0] if tok_content else content_digest(worker.processor.tok)},
         "chat_template": template.name if template else None,
+        "chat_template_source": template.source if template else None,  # what final/chat_template.jinja gets
         "inputs": [str(f) for f in files],
         **({"holdout": holdout.describe()} if holdout is not None else {}),
         "shards": shards,
