@@ -65,7 +65,7 @@ class Checkpoint(Callback):
     """Every `every` optimizer steps, at the end, on a stop signal, and on an error raised at a step
     boundary in one process (mid-step state is never saved: it could not resume exactly; nor with
     several ranks, where a save is collective and the failing rank's peers may never join it; nor
-    after non-finite weights)."""
+    after non-finite weights; nor on a second stop signal, which asks to stop at once)."""
 
     def __init__(self, every: int):
         self.every = every
@@ -78,9 +78,9 @@ class Checkpoint(Callback):
             trainer.save_checkpoint()
 
     def on_error(self, trainer, error):
-        from astrai.train.trainer import NonFiniteError
+        from astrai.train.trainer import Aborted, NonFiniteError
 
-        if trainer.dist.active or isinstance(error, NonFiniteError):
+        if trainer.dist.active or isinstance(error, (NonFiniteError, Aborted)):
             return
         if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:
             trainer.save_checkpoint()

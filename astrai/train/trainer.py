@@ -23,7 +23,10 @@ Resume: the state (global step, epoch, next step in the epoch) is saved with the
 optimizer, scheduler and RNG at step boundaries only; the data order is a function of
 (seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would (bitwise
 on CPU, tested). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
-written, and `fit` returns with `state.stopped` set. Hook order: astrai.train.callbacks.
+written, and `fit` returns with `state.stopped` set. A second one raises Aborted at once, wherever
+the run is (a reward call or a rollout that blocks included): nothing more is written, and the
+checkpoints on disk stay as they are (each is renamed into place whole). Hook order:
+astrai.train.callbacks.
 
 Non-finite training: before each optimizer step the step's loss (summed over ranks) and gradient
 norm are checked, on every rank alike. A non-finite one stops training with NonFiniteError naming
@@ -36,6 +39,7 @@ next one. Every checkpoint and the final model are checked finite before they ar
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -60,6 +64,10 @@ from astrai.train.strategies import Env, Strategy
 
 class NonFiniteError(InputError):
     """Training stopped at a non-finite loss or gradient norm; the message names the step."""
+
+
+class Aborted(KeyboardInterrupt):
+    """A second stop signal: training ends at once, where it is; no checkpoint is written."""
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -186,7 +194,14 @@ class Trainer:
         return path
 
     def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.stop_signal is not None:
+            raise Aborted(f"{name} a second time: stopped at once (last checkpoint: step {self.state.saved_step})")
         self.stop_signal = signum
+        # os.write: a print here could land inside another write to stderr (the progress bar's)
+        if self.dist.is_main:
+            os.write(2, f"\nastrai train: {name}: stopping after this step, with a checkpoint; {name} again stops at "
+                        f"once\n".encode())
 
     def _install_signals(self):
         if threading.current_thread() is not threading.main_thread():
