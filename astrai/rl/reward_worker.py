@@ -31,6 +31,7 @@ from typing import Iterator, Optional
 from astrai.errors import InputError
 
 START_SECONDS = 120  # loading the functions (imports) is not a call: it gets its own, wider limit
+ENDED = ("ended",)  # what _recv gives when the worker is gone
 
 
 class RewardWorker:
@@ -62,19 +63,18 @@ class RewardWorker:
         self._kill()
         if msg is not None and msg[0] == "error":  # a function that cannot be loaded: its own message
             raise InputError(msg[1])
-        raise InputError(f"reward functions: the worker process that runs them did not start within "
-                         f"{max(START_SECONDS, self.timeout):g} s (python -m astrai.rl.reward_worker; what it printed "
-                         f"is above)" if msg is None else
-                         f"reward functions: the worker process answered {msg!r:.80}")
+        raise InputError(f"reward functions: the worker process that runs them did not start (python -m "
+                         f"astrai.rl.reward_worker: " + ("it ended; what it printed is above)" if msg is ENDED else
+                                                         f"no answer in {max(START_SECONDS, self.timeout):g} s)"))
 
     def _recv(self, seconds: float):
-        """The next message, or None when none came in time or the worker ended."""
+        """The next message; None when none came in time, ENDED when the worker closed its pipe."""
         try:
             if not self.rx.poll(seconds):
                 return None
             return self.rx.recv()
         except (EOFError, OSError):
-            return None
+            return ENDED
 
     def results(self, items: list[tuple[str, dict]], n_functions: int
                 ) -> Iterator[tuple[int, int, Optional[float], Optional[str]]]:
@@ -93,24 +93,28 @@ class RewardWorker:
                 while i < len(todo):
                     k, j = todo[i]
                     msg = self._recv(self.timeout)
-                    if msg is not None and msg[0] != self._batch:
+                    if msg is not None and msg is not ENDED and msg[0] != self._batch:
                         continue  # a result of a batch given up on
                     i += 1
-                    if msg is None:
-                        yield k, j, None, self._lost(j)
+                    if msg is None or msg is ENDED:
+                        yield k, j, None, self._lost(j, ended=msg is ENDED)
                         break
                     yield msg[1:]
         except BaseException:
             self._kill()  # stopped mid-batch (an error, a signal): the worker would go on with stale calls
             raise
 
-    def _lost(self, j: int) -> str:
-        ended = self.proc.poll()
-        self._kill()
+    def _lost(self, j: int, ended: bool) -> str:
         key = self.specs[j].key
-        if ended is None:
-            return f"{key}: timed out after {self.timeout:g} s (reward_timeout)"
-        return f"{key}: the reward worker process ended (exit status {ended}) during the call"
+        if ended:
+            try:
+                status = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = "unknown: it closed its pipe"
+            self._kill()
+            return f"{key}: the reward worker process ended (exit status {status}) during the call"
+        self._kill()
+        return f"{key}: timed out after {self.timeout:g} s (reward_timeout)"
 
     def _kill(self):
         if self.proc is not None:
