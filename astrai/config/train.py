@@ -118,8 +118,21 @@ class RolloutOptions(StrictModel):
     mask_truncated: bool = Field(False, description="completions cut at max_tokens get no loss (overlong filtering)")
     dynamic_sampling: bool = Field(False, description="groups whose rewards are all equal are left out of the loss "
                                                       "(DAPO's filter; counted as zero_variance_share)")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong punishment: over the last N tokens "
+                                                      "before max_tokens the reward ramps down to -overlong_penalty, "
+                                                      "which a completion cut at max_tokens gets (0: off)")
+    overlong_penalty: float = Field(1.0, ge=0, description="the soft overlong punishment's largest penalty")
     page_size: int = Field(16, ge=1, description="engine KV page size (the unit of prompt sharing)")
     max_running: int = Field(64, ge=1, description="engine: most completions decoding together")
+    sleep: bool = Field(False, description="the engine gives back its KV pool and fused weight copies after each "
+                                           "rollout (during the update) and takes them again at the next one")
+
+    @model_validator(mode="after")
+    def _buffer(self):
+        if self.overlong_buffer > self.max_tokens:
+            raise ValueError(f"overlong_buffer {self.overlong_buffer} is more than max_tokens {self.max_tokens}: the "
+                             f"penalty ramps over the last overlong_buffer tokens before max_tokens")
+        return self
 
 
 class TrainOptions(StrictModel):
@@ -163,15 +176,27 @@ class TrainOptions(StrictModel):
     grpo_clip_eps_low: Optional[float] = Field(None, gt=0, lt=1, description="grpo: lower clip 1 - eps_low "
                                                                             "(default grpo_clip_eps)")
     grpo_clip_eps_high: Optional[float] = Field(None, gt=0, description="grpo: upper clip 1 + eps_high (default "
-                                                                       "grpo_clip_eps; DAPO: 0.28)")
+                                                                       "grpo_clip_eps; loss_type dapo: 0.28)")
+    grpo_temperature: Optional[float] = Field(None, gt=0, description="offline grpo: the temperature the data's "
+                                                                     "completions were sampled at; log-probs are of "
+                                                                     "logits / T (default 1; online: "
+                                                                     "rollout.temperature)")
     loss_type: Literal["token", "grpo", "dr_grpo", "dapo"] = Field(
         "token", description="grpo aggregation: token (sum / completion tokens), grpo (per-sequence mean, then "
-                             "mean), dr_grpo (no std or length normalisation), dapo (token-level, decoupled clip)")
+                             "mean), dr_grpo (no std or length normalisation: sum / (sequences x max length)), "
+                             "dapo (token-level, decoupled clip 0.2 / 0.28)")
     rollout: Optional[RolloutOptions] = Field(None, description="grpo: sample completions online from the current "
                                                                 "weights (the data holds prompts); see rewards")
     rewards: list[RewardSpec] = Field(default_factory=list, description="online grpo: reward functions, summed "
                                                                         "with their weights")
     reward: Optional[RewardSpec] = Field(None, description="online grpo: a single reward function (or use rewards)")
+    reward_timeout: Optional[float] = Field(30.0, gt=0, description="online grpo: seconds one reward call may take "
+                                                                    "before it fails (the functions run in a worker "
+                                                                    "process, restarted after a timeout); null: no "
+                                                                    "limit, in the training process")
+    reward_error_share: float = Field(0.5, ge=0, le=1, description="online grpo: a reward function failing on more "
+                                                                   "than this share of a step's completions stops "
+                                                                   "the run with its first error (1: never)")
     moe_aux_loss_coef: Optional[float] = Field(None, ge=0, description="MoE load-balancing weight (null: config's)")
 
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
@@ -248,6 +273,9 @@ class TrainOptions(StrictModel):
         if online and not has_rewards:
             p.append((("rewards",), "online grpo needs reward functions: rewards: [{name: numeric_match, column: "
                                     "answer}] or reward: {function: 'my_rewards:score'}"))
+        if online and get_in(data, "grpo_temperature") is not None:
+            p.append((("grpo_temperature",), "grpo_temperature is the sampling temperature of offline data; online, "
+                                             "log-probs use rollout.temperature"))
         if has_rewards and not online:
             p.append((("rewards",), "rewards score online completions; add a rollout block (offline grpo data "
                                     "carries its rewards)"))

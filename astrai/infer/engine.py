@@ -102,6 +102,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, compile=o.compile,
                                   cuda_graphs=o.cuda_graphs)
         self.stats = EngineStats()
+        self.asleep = False
         self._next_rid = 0
         self._texts: dict[int, OutputText] = {}
 
@@ -190,13 +191,53 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    # ---- weights and memory between uses (online RL: astrai.rl.rollout) ----
+    def sync_weights(self) -> bool:
+        """Before each step: when the model's weights changed in place (an optimizer step, a copy into
+        them) the fused copies are remade and every cached prefix is dropped (its K/V is of the old
+        weights: no later request may reuse it). True when they had changed."""
+        if not self.runner.sync_weights():
+            return False
+        self.pool.reset_prefix_cache()
+        return True
+
+    def sleep(self) -> None:
+        """Give back the KV pool's memory and the fused weight copies until `wake` (or the next step),
+        so that a trainer's optimizer step can have it; only with no request in flight."""
+        if self.scheduler.has_work():
+            raise RuntimeError("the engine cannot sleep with requests in flight")
+        if self.runner.graphs is not None or self.runner.compiled is not None:
+            raise ValueError("the engine cannot sleep with CUDA graphs or a compiled decode step: they hold the KV "
+                             "pool's addresses")
+        if self.asleep:
+            return
+        self.pool.reset_prefix_cache()  # the K/V it points at is about to go
+        self._kv_shape = (self.backend.k_cache[0].shape, self.backend.k_cache[0].dtype)
+        for caches in (self.backend.k_cache, self.backend.v_cache):
+            for i, t in enumerate(caches):  # in place: the backend and its kernels index these same lists
+                caches[i] = t.new_empty(0)
+        self.runner.release()
+        self.asleep = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Take the KV pool's memory again (zeroed, as at start); the fused copies are remade at the next step."""
+        if not self.asleep:
+            return
+        shape, dtype = self._kv_shape
+        for caches in (self.backend.k_cache, self.backend.v_cache):
+            for i in range(len(caches)):
+                caches[i] = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.asleep = False
+
     # ---- one step ----
     def step(self) -> list[tuple[Request, int, str]]:
         """Run one forward; returns (request, sampled token, newly visible text) per sampled token."""
         t0 = time.perf_counter()
-        if self.runner.sync_weights():
-            # cached prefixes hold K/V of the old weights: no later request may reuse them
-            self.pool.reset_prefix_cache()
+        if self.asleep:
+            self.wake()
+        self.sync_weights()
         batch = self.scheduler.schedule()
         if not batch.reqs:
             raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")

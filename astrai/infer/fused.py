@@ -133,6 +133,10 @@ class WeightWatch:
     def _now(self) -> list:
         return [(params[name].data_ptr(), _version(params[name])) for params, name in self._where]
 
+    def forget(self) -> None:
+        """The next look reports a change (what was built from the weights has been dropped)."""
+        self._key = None
+
     def changed(self) -> bool:
         key = self._now()
         if key == self._key:

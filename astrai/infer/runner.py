@@ -112,6 +112,14 @@ class ModelRunner:
             self.fused.rebuild()
         return True
 
+    def release(self) -> None:
+        """Drop the fused copies and the head's transposed copy (the engine sleeps); the next
+        `sync_weights` remakes them."""
+        if self.fused is not None:
+            self.fused.layers = []
+        self._head_t = self._head_key = None
+        self.watch.forget()
+
     def _graph_decode(self):
         """CUDA graphs of the decode step, where they can run (else None: eager decode)."""
         from astrai.infer.backends.cuda import CudaBackend

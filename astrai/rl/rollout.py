@@ -1,35 +1,42 @@
-"""Rollouts: G completions per prompt from the trainer's current weights, through the paged engine.
+"""Rollouts: G completions per prompt from the trainer's current weights, through one paged engine.
 
-`Rollout(model, tokenizer, options, seed)` keeps one plain copy of the policy for the engine (a
-CausalLM without adapters). Each `generate(prompts, step)`:
-  1. copies the trainer's weights into it in place, in memory (with LoRA: W + (alpha/r) B A, the
-     adapters merged as astrai.model.lora.merged_state does for final/merged/): the engine never
-     sees a stale weight and nothing goes through disk;
-  2. builds an Engine on that copy whose KV pool is sized for this step's requests (prompt pages
-     once, as the G completions of a prompt share them through the radix cache, plus each
-     completion's own pages), runs every request to its end, and drops the engine: its KV pool
-     and fused weight copies are freed before the optimizer step, so the step's peak memory is the
-     trainer's plus one policy copy, never the pool;
+`Rollout(model, tokenizer, options, seed)` keeps, for the whole run, one plain copy of the policy
+(a CausalLM without adapters, in the trainer's dtype: bf16 training samples in bf16) and one
+Engine on it. Each `generate(prompts, step)`, after `sync(model)`:
+  1. `sync` copies the trainer's weights into the copy in place, in memory (with LoRA: W + (alpha/r)
+     B A, merged in float32 and rounded once to the copy's dtype, as astrai.model.lora.merged_state
+     does for final/merged/); the engine sees the change (astrai.infer.fused.WeightWatch), remakes
+     its fused weight copies and drops its cached prefixes, so it never samples from a stale weight
+     and nothing goes through disk. Syncing before each rollout is syncing after the optimizer
+     steps that preceded it: the weights the engine uses are always the trainer's current ones;
+  2. starts from an empty prefix cache (what a call samples does not depend on earlier calls, so a
+     resumed run draws what the killed one would have), runs every request to its end (the G
+     completions of a prompt share its pages through the radix cache);
   3. returns, per prompt, its G completions (token ids including the stop token, text,
-     finish_reason) and the step's counters (prefix-cache hits, tokens, seconds, KV pool bytes).
+     finish_reason) and the call's counters (tokens, seconds, prefix-cache hits, KV pool size).
+The KV pool is sized once for the run: every running completion (at most max_running, or G x the
+prompts of a call) may hold a whole longest prompt plus max_tokens, so no request waits for pages.
+With `sleep: true` the engine gives its KV pool and fused copies back after each rollout (the
+optimizer step has that memory) and takes them again at the next (astrai.infer.engine.Engine.sleep).
 The engine stops a completion at the tokenizer's EOS, the model's eos ids, or the chat template's
 end-of-turn token (prompts are rendered conversations), exactly as `astrai generate` does on a
 conversation, so a temperature-0 rollout equals `astrai generate --temperature 0` on the same
 weights. Sampling is seeded per completion from (seed, step, prompt, g): a step's rollouts do not
-depend on what ran before, so a resumed run draws exactly what the killed one would have.
+depend on what ran before.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from typing import Optional
 
 import torch
 
 from astrai.config.infer import EngineOptions, SamplingParams
 from astrai.config.train import RolloutOptions
 from astrai.infer.cache import pages_for
-from astrai.infer.engine import Engine
+from astrai.infer.engine import DTYPES, Engine
 from astrai.model.lora import has_adapters, lora_layers, merged_state
 from astrai.model.transformer import CausalLM
 
@@ -39,20 +46,28 @@ def completion_seed(seed: int, step: int, prompt: int, g: int) -> int:
 
 
 class Rollout:
-    def __init__(self, model, tokenizer, options: RolloutOptions, seed: int = 0, device=None):
+    def __init__(self, model, tokenizer, options: RolloutOptions, seed: int = 0, device=None,
+                 longest_prompt: int = 0, prompts_per_call: Optional[int] = None):
+        """`longest_prompt`: the longest prompt the run will send (the pool is sized for it; a longer one
+        makes a new engine); `prompts_per_call`: the most prompts one `generate` gets (None: any)."""
         self.options, self.tokenizer, self.seed = options, tokenizer, seed
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if has_adapters(model):
+            dtype = model.lm_head.weight.dtype  # the frozen base's: the trainer's dtype
             # initialised weights are overwritten by sync: not drawn from the trainer's generator, so
             # where the copy is made (a first evaluation, or the first step) changes no training draw
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                self.policy = CausalLM(model.config).to(self.device)
+                self.policy = CausalLM(model.config).to(device=self.device, dtype=dtype)
         else:
             self.policy = copy.deepcopy(model)
         self.policy.requires_grad_(False).eval()
         self.sync(model)
         eos = model.config.eos_token_id
         self.eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        self.longest_prompt, self.prompts_per_call = longest_prompt, prompts_per_call
+        self.engine: Optional[Engine] = None
+        self.engines_made = 0
+        self.kv_bytes = 0
 
     @torch.no_grad()
     def sync(self, model) -> None:
@@ -65,23 +80,39 @@ class Rollout:
         for name, p in own.items():
             p.copy_(state[name])
 
-    def engine_options(self, prompts: list[list[int]]) -> EngineOptions:
-        o, G = self.options, self.options.group_size
-        ps = o.page_size
-        pages = sum(pages_for(len(p), ps) + G * (pages_for(o.max_tokens, ps) + 1) for p in prompts)
-        longest = max(len(p) for p in prompts) + o.max_tokens
-        return EngineOptions(page_size=ps, kv_cache_tokens=max(pages * ps, pages_for(longest, ps) * ps + ps),
-                             max_running=min(o.max_running, G * len(prompts)),
-                             max_step_tokens=max(2048, longest, o.max_running), prefix_cache=True,
-                             device=str(self.device), dtype="auto", cuda_graphs=False)
+    def engine_options(self, longest: int) -> EngineOptions:
+        o, ps = self.options, self.options.page_size
+        running = o.max_running if self.prompts_per_call is None else \
+            min(o.max_running, o.group_size * self.prompts_per_call)
+        context = longest + o.max_tokens
+        dtype = str(self.policy.lm_head.weight.dtype).replace("torch.", "")
+        return EngineOptions(page_size=ps, kv_cache_tokens=running * pages_for(context, ps) * ps + ps,
+                             max_running=running, max_step_tokens=max(2048, context, running), prefix_cache=True,
+                             device=str(self.device), dtype=dtype if dtype in DTYPES else "float32",
+                             cuda_graphs=False)
+
+    def _engine(self, prompts: list[list[int]]) -> Engine:
+        longest = max(len(p) for p in prompts)
+        if self.engine is None or longest > self.longest_prompt:
+            self.longest_prompt = max(self.longest_prompt, longest)
+            self.engine = None  # the old pool goes before the new one is allocated
+            self.engine = Engine(self.policy, self.tokenizer, self.engine_options(self.longest_prompt), self.eos_ids)
+            self.engines_made += 1
+            b = self.engine.backend
+            self.kv_bytes = sum(t.numel() * t.element_size() for t in (*b.k_cache, *b.v_cache))
+        return self.engine
 
     def generate(self, prompts: list[list[int]], step: int, first: int = 0) -> tuple[list[list[dict]], dict]:
         """`first`: the number of the first prompt in its set (a set generated in pieces draws what
         it would in one call)."""
         o = self.options
         t0 = time.perf_counter()
-        engine = Engine(self.policy, self.tokenizer, self.engine_options(prompts), self.eos_ids)
-        kv_bytes = sum(t.numel() * t.element_size() for t in (*engine.backend.k_cache, *engine.backend.v_cache))
+        engine = self._engine(prompts)
+        engine.wake()
+        engine.sync_weights()
+        engine.pool.reset_prefix_cache()
+        sched = engine.scheduler
+        cached0, admitted0 = sched.num_cached_tokens, sched.num_admitted_tokens
         reqs = []
         for i, ids in enumerate(prompts):
             for g in range(o.group_size):
@@ -100,10 +131,16 @@ class Rollout:
                 group.append({"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
                               "cached_tokens": c.cached_tokens})
             groups.append(group)
-        stats = engine.engine_stats()
-        del engine  # the KV pool and the fused copies go before the optimizer step
+        hit_rate = (sched.num_cached_tokens - cached0) / max(sched.num_admitted_tokens - admitted0, 1)
+        if o.sleep:
+            engine.sleep()
         seconds = time.perf_counter() - t0
         return groups, {"rollout_seconds": seconds, "rollout_tokens": generated,
                         "rollout_tokens_per_second": generated / seconds if seconds else 0.0,
-                        "prefix_cached_tokens": cached, "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
-                        "kv_pool_mb": kv_bytes / 2 ** 20}
+                        "prefix_cached_tokens": cached, "prefix_cache_hit_rate": hit_rate,
+                        "kv_pool_mb": self.kv_bytes / 2 ** 20}
+
+    def close(self) -> None:
+        """Free the engine (its KV pool and fused copies) and the policy copy."""
+        self.engine = None
+        self.policy = None

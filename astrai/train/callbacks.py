@@ -35,6 +35,10 @@ class NonFiniteError(InputError):
     """Training stopped at a non-finite loss or gradient norm (or weights); the message names the step."""
 
 
+class Aborted(KeyboardInterrupt):
+    """A second stop signal: training ends at once, where it is; no checkpoint is written."""
+
+
 class Callback:
     def on_train_begin(self, trainer): ...
     def on_epoch_begin(self, trainer): ...
@@ -73,7 +77,7 @@ class Checkpoint(Callback):
     """Every `every` optimizer steps, at the end, on a stop signal, and on an error raised at a step
     boundary in one process (mid-step state is never saved: it could not resume exactly; nor with
     several ranks, where a save is collective and the failing rank's peers may never join it; nor
-    after non-finite weights)."""
+    after non-finite weights; nor on a second stop signal, which asks to stop at once)."""
 
     def __init__(self, every: int):
         self.every = every
@@ -86,7 +90,7 @@ class Checkpoint(Callback):
             trainer.save_checkpoint()
 
     def on_error(self, trainer, error):
-        if trainer.dist.active or isinstance(error, NonFiniteError):
+        if trainer.dist.active or isinstance(error, (NonFiniteError, Aborted)):
             return
         if trainer.state.at_boundary and trainer.state.global_step > trainer.state.saved_step:
             trainer.save_checkpoint()

@@ -2,25 +2,30 @@
 
 For a group of G completions o_1..o_G of one prompt with rewards r_1..r_G, token t of o_i has the
 ratio rho_it = pi(o_it) / pi_old(o_it) and, with a reference model, Schulman's k3 estimate of the
-KL to it, k3_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1 (unbiased, never negative). The
-per-token loss is
+KL to it, k3_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1 (unbiased, never negative). Every
+log-prob is of the policy the completions were sampled from: the log-softmax of logits / T at the
+sampling temperature T (astrai.train.lm_loss.token_logprobs; TRL does the same), for pi, pi_old and
+the reference alike. The per-token loss is
 
     l_it = -min(rho_it * A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) * A_i) + kl_coef * k3_it
 
-and the loss types differ in A_i and in how the l_it are summed (the trainer divides a step's
-sum by the step's `units`, over all micro-batches, so accumulation never changes the weighting):
+and the loss types differ in A_i, the clip and in how the l_it are summed (the trainer divides a
+step's sum by the step's `units`, over all micro-batches, so accumulation never changes the weighting):
 
 - token   (our default): A_i = (r_i - mean r) / (std r + eps); sum_i sum_t l_it / sum_i |o_i|.
 - grpo    (DeepSeekMath, Shao et al. 2024, eq. 3): A_i as above;
-          (1/G) sum_i (1/|o_i|) sum_t l_it: each sequence's mean, then the mean over sequences;
-          units = sequences.
+          (1/G) sum_i (1/|o_i|) sum_t l_it: each sequence's mean, then the mean over all G sequences
+          (one whose tokens are all masked counts, with 0, as in TRL); units = sequences.
 - dr_grpo (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = r_i - mean r (no std
-          normalisation) and no 1/|o_i|: sum_i sum_t l_it / (G * L), L a constant (the rollout's
-          max_tokens; offline, the micro-batch's longest completion); units = sequences * L.
-- dapo    (Yu et al. 2025): A_i std-normalised; token-level sum_i sum_t l_it / sum_i |o_i| over the
-          step, with the decoupled clip (eps_low, eps_high; the paper: 0.2 and 0.28). Its dynamic
-          sampling (groups whose rewards are all equal are left out) and overlong filtering
-          (truncated completions masked) are rollout options (astrai.config.train.RolloutOptions).
+          normalisation) and no 1/|o_i|: sum_i sum_t l_it / (G * L), L a constant (online: the
+          rollout's max_tokens; offline: the data's longest completion) and G every sequence, masked
+          ones included; units = sequences * L.
+- dapo    (Yu et al. 2025): A_i std-normalised; token-level sum_i sum_t l_it / sum_i |o_i| over all
+          the step's trained tokens, with the decoupled clip: eps_low = grpo_clip_eps_low (default
+          grpo_clip_eps), eps_high = grpo_clip_eps_high (default 0.28, the paper's; `clip_range`).
+          Its dynamic sampling (groups whose rewards are all equal are left out), overlong filtering
+          (truncated completions masked) and soft overlong punishment are rollout options
+          (astrai.config.train.RolloutOptions; the penalty: astrai.rl.rewards.soft_overlong).
 
 std is the sample standard deviation (Bessel's correction, as TRL); a group of one completion or
 of equal rewards has A = 0 under every type. Clip fractions count only the tokens whose gradient
@@ -32,6 +37,14 @@ from __future__ import annotations
 import torch
 
 LOSS_TYPES = ("token", "grpo", "dr_grpo", "dapo")
+DAPO_EPS_HIGH = 0.28  # Yu et al. 2025, "clip-higher"
+
+
+def clip_range(loss_type: str, clip_eps: float, eps_low=None, eps_high=None) -> tuple[float, float]:
+    """(eps_low, eps_high): each as given, else clip_eps; dapo's eps_high defaults to 0.28 instead."""
+    low = clip_eps if eps_low is None else eps_low
+    high = eps_high if eps_high is not None else DAPO_EPS_HIGH if loss_type == "dapo" else clip_eps
+    return low, high
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4, scale: bool = True) -> torch.Tensor:
@@ -69,12 +82,13 @@ def aggregate(per_token: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor, n
 
 
 def units(valid: torch.Tensor, doc: torch.Tensor, n_docs: int, loss_type: str, max_len: int = 0) -> float:
-    """What a micro-batch's sum is a sum over: tokens (token, dapo), sequences (grpo), sequences * L (dr_grpo).
-    A sequence with no trained token (masked) is not counted."""
+    """What a micro-batch's sum is a sum over: trained tokens (token, dapo), sequences (grpo), or
+    sequences * L (dr_grpo; L = max_len, or the micro-batch's longest trained completion when 0).
+    Sequences are all of them, masked ones included (a constant normaliser, as the papers and TRL)."""
     if loss_type in ("token", "dapo"):
         return float(valid.sum())
-    lens = torch.zeros(n_docs, dtype=torch.long, device=valid.device).index_add(0, doc, valid.long())
-    seqs = float((lens > 0).sum())
     if loss_type == "grpo":
-        return seqs
-    return seqs * max(max_len, int(lens.max()) if n_docs else 0)
+        return float(n_docs)
+    if max_len <= 0 and n_docs:
+        max_len = int(torch.zeros(n_docs, dtype=torch.long, device=valid.device).index_add(0, doc, valid.long()).max())
+    return float(n_docs * max_len)

@@ -96,8 +96,10 @@ def _chunk_ce(h, weight, y, smoothing, softcap=None):
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mode: str = "full",
-                   chunk: int = LOSS_CHUNK, softcap: Optional[float] = None) -> torch.Tensor:
-    """log p(target) per position [T] in float32; 0 where there is no target."""
+                   chunk: int = LOSS_CHUNK, softcap: Optional[float] = None, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) per position [T] in float32; 0 where there is no target. `temperature`: the
+    log-softmax of logits / temperature (after soft-capping), the distribution a sampler at that
+    temperature draws from."""
     keep = targets != IGNORE_INDEX
     out = torch.zeros(targets.shape, dtype=acc_dtype(hidden.dtype), device=hidden.device)
     h, y = hidden[keep], targets[keep]
@@ -107,14 +109,17 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if mode in ("chunked", "fused") or (mode == "auto" and h.shape[0] > 4 * chunk):
         # recomputation is only worth its cost when a backward will need the chunk's logits
         run = (lambda *a: checkpoint(_chunk_logp, *a, use_reentrant=False)) if _needs_grad(h, weight) else _chunk_logp
-        lp = torch.cat([run(h[s:s + chunk], weight, y[s:s + chunk], softcap) for s in range(0, h.shape[0], chunk)])
+        lp = torch.cat([run(h[s:s + chunk], weight, y[s:s + chunk], softcap, temperature)
+                        for s in range(0, h.shape[0], chunk)])
     else:
-        lp = _chunk_logp(h, weight, y, softcap)
+        lp = _chunk_logp(h, weight, y, softcap, temperature)
     return out.masked_scatter(keep, lp)
 
 
-def _chunk_logp(h, weight, y, softcap=None):
+def _chunk_logp(h, weight, y, softcap=None, temperature=1.0):
     z = at_least_float32(_head(h, weight, softcap))
+    if temperature != 1.0:
+        z = z / temperature
     return z.gather(1, y[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
 
 

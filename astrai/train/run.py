@@ -39,7 +39,7 @@ from astrai.train.report import check_reporters
 from astrai.train.resume import fsync_tree, replace_dir
 from astrai.train.summary import figures, read_records
 from astrai.config.train import TrainOptions
-from astrai.train.strategies import make_strategy
+from astrai.train.strategies import grpo_options, make_strategy
 from astrai.train.trainer import Trainer
 
 
@@ -150,10 +150,8 @@ def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dic
         strategy = strategy_factory(model, ref, data, options, dist)
     else:
         strategy = make_strategy(options.strategy, ref, label_smoothing=options.label_smoothing, beta=options.dpo_beta,
-                             clip_eps=options.grpo_clip_eps, kl_coef=options.grpo_kl_coef, updates=options.grpo_updates,
-                             loss_type=options.loss_type, clip_eps_low=options.grpo_clip_eps_low,
-                             clip_eps_high=options.grpo_clip_eps_high,
-                                 cache_ref=not (options.lora is not None and options.parallel == "fsdp"))
+                                 cache_ref=not (options.lora is not None and options.parallel == "fsdp"),
+                                 **grpo_options(options, data.dataset))
     if isinstance(ref, torch.nn.Module):
         ref.to(device=dist.device, dtype=getattr(torch, options.dtype))
     trainer = Trainer(model, strategy, data.dataset, options, val_dataset=val.dataset if val else None,

@@ -2,8 +2,8 @@
 
 The trainer divides every micro-batch's sum by the total count of the whole optimizer step, over
 all micro-batches and ranks (`units`), so gradient accumulation and data parallelism never change
-how long and short answers are weighted (the 2024 gradient-accumulation bug fixed in transformers;
-the seed divided each micro-batch's mean by the number of micro-steps instead).
+how long and short answers are weighted (a mean per micro-batch divided by the number of
+micro-batches would weight each token of a short micro-batch more than one of a long one).
 
 - seq:  next-token cross-entropy over every token (optional label smoothing); units = tokens.
 - sft:  the same over tokens whose label != IGNORE_INDEX; units = trained tokens.
@@ -14,8 +14,9 @@ the seed divided each micro-batch's mean by the number of micro-steps instead).
         (`cache_ref=False`): its forwards are collective, and ranks would hit their caches apart.
 - grpo: per trained completion token, -min(rho * A, clip(rho, 1-eps_low, 1+eps_high) * A) + kl_coef * k3,
         rho = pi / pi_old, k3 = exp(ref - pi) - (ref - pi) - 1 (Schulman's unbiased, positive KL
-        estimator), A the group-normalised advantage of the completion; units = completion tokens
-        (loss_type token/dapo), sequences (grpo) or sequences * L (dr_grpo): astrai.train.grpo_loss.
+        estimator), A the group-normalised advantage of the completion; every log-prob taken at the
+        sampling temperature (logits / T); units = completion tokens (loss_type token/dapo),
+        sequences (grpo) or sequences * L (dr_grpo): astrai.train.grpo_loss.
         pi_old is the policy when the batch was drawn: `prepare` records it, then the trainer runs
         `updates` optimizer steps on the same batch, so the clip acts from the second update on
         (with one update, pi_old = pi detached: the ratio is 1 and no extra forward is run).
@@ -156,11 +157,13 @@ class GRPOStrategy(Strategy):
 
     def __init__(self, ref_model: Optional[torch.nn.Module], clip_eps: float = 0.2, kl_coef: float = 0.01,
                  updates: int = 2, adv_eps: float = 1e-4, loss_type: str = "token", clip_eps_low=None,
-                 clip_eps_high=None, max_len: int = 0):
+                 clip_eps_high=None, max_len: int = 0, temperature: float = 1.0):
+        """`max_len`: dr_grpo's constant L; `temperature`: the one the completions were sampled at
+        (0, greedy, scores plain logits)."""
         self.ref, self.clip_eps, self.kl_coef, self.updates, self.adv_eps = ref_model, clip_eps, kl_coef, updates, adv_eps
         self.loss_type, self.max_len = loss_type, max_len
-        self.eps_low = clip_eps if clip_eps_low is None else clip_eps_low
-        self.eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+        self.temperature = temperature or 1.0
+        self.eps_low, self.eps_high = grpo_loss.clip_range(loss_type, clip_eps, clip_eps_low, clip_eps_high)
 
     def collate(self, rows):
         return collate_grpo(rows, self.adv_eps, scale=self.loss_type != "dr_grpo")
@@ -178,7 +181,7 @@ class GRPOStrategy(Strategy):
     def _token_logps(self, model, batch, env):
         hidden, aux = forward(model, batch, env)
         return token_logprobs(hidden, unwrap(model).lm_head.weight, batch["targets"], env.lm_loss,
-                              env.loss_chunk, softcap(model)), aux
+                              env.loss_chunk, softcap(model), self.temperature), aux
 
     @torch.no_grad()
     def prepare(self, model, batches, indices, env):
@@ -212,6 +215,28 @@ class GRPOStrategy(Strategy):
         return grpo_loss.aggregate(t["loss"], valid, doc, len(lens), self.loss_type), aux, m
 
 
+def grpo_options(options, dataset) -> dict:
+    """make_strategy's grpo keywords from offline TrainOptions; dr_grpo's constant L is the longest
+    completion in the data (what its sampler's max_tokens allowed, as far as the data shows)."""
+    if options.strategy != "grpo":
+        return {}
+    return {"clip_eps": options.grpo_clip_eps, "kl_coef": options.grpo_kl_coef, "updates": options.grpo_updates,
+            "loss_type": options.loss_type, "clip_eps_low": options.grpo_clip_eps_low,
+            "clip_eps_high": options.grpo_clip_eps_high, "temperature": options.grpo_temperature or 1.0,
+            "max_len": longest_completion(dataset) if options.loss_type == "dr_grpo" else 0}
+
+
+def longest_completion(dataset) -> int:
+    """The most tokens of one completion in GRPO data (Arrow list lengths: no row is decoded)."""
+    import pyarrow.compute as pc
+
+    best = 0
+    for table in dataset.tables:
+        lengths = pc.list_value_length(pc.list_flatten(table.column("completion_input_ids")))
+        best = max(best, int(pc.max(lengths).as_py() or 0))
+    return best
+
+
 def make_strategy(name: str, ref_model=None, **opts) -> Strategy:
     if name in ("seq", "sft"):
         return LMStrategy(name, opts.get("label_smoothing", 0.0))
@@ -220,5 +245,6 @@ def make_strategy(name: str, ref_model=None, **opts) -> Strategy:
     if name == "grpo":
         return GRPOStrategy(ref_model, opts.get("clip_eps", 0.2), opts.get("kl_coef", 0.01), opts.get("updates", 2),
                             loss_type=opts.get("loss_type", "token"), clip_eps_low=opts.get("clip_eps_low"),
-                            clip_eps_high=opts.get("clip_eps_high"))
+                            clip_eps_high=opts.get("clip_eps_high"), max_len=opts.get("max_len", 0),
+                            temperature=opts.get("temperature", 1.0))
     raise ValueError(f"unknown strategy {name!r}: choose seq, sft, dpo or grpo")

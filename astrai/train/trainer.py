@@ -24,7 +24,10 @@ optimizer, scheduler and RNG at step boundaries only; the data order is a functi
 on CPU, tested). Every counter of the checkpoint is checked against that order first
 (astrai.train.resume_checks), and the hyperparameters then follow this run's options
 (resume.follow_options). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
-written, and `fit` returns with `state.stopped` set. Hook order: astrai.train.callbacks.
+written, and `fit` returns with `state.stopped` set. A second one raises Aborted at once, wherever
+the run is (a reward call or a rollout that blocks included): nothing more is written, and the
+checkpoints on disk stay as they are (each is renamed into place whole). Hook order:
+astrai.train.callbacks.
 
 Non-finite training: before each optimizer step the step's loss (summed over ranks) and gradient
 norm are checked, on every rank alike. A non-finite one stops training with NonFiniteError naming
@@ -39,6 +42,7 @@ they are written.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -52,7 +56,7 @@ from astrai.model.lora import cast, has_adapters
 from astrai.train import resume
 from astrai.train.batches import RankSampler
 from astrai.train.callbacks import (Callback, Checkpoint, GradientCheckpointing, GradientClipping, Metrics,
-                                    NonFiniteError, ProgressBar)
+                                    Aborted, NonFiniteError, ProgressBar)
 from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_sync, is_sharded, named_optimizer_state,
                                      reshard, wrap)
 from astrai.train.host_memory import return_freed_memory
@@ -190,7 +194,14 @@ class Trainer:
         return path
 
     def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.stop_signal is not None:
+            raise Aborted(f"{name} a second time: stopped at once (last checkpoint: step {self.state.saved_step})")
         self.stop_signal = signum
+        # os.write: a print here could land inside another write to stderr (the progress bar's)
+        if self.dist.is_main:
+            os.write(2, f"\nastrai train: {name}: stopping after this step, with a checkpoint; {name} again stops at "
+                        f"once\n".encode())
 
     def _install_signals(self):
         if threading.current_thread() is not threading.main_thread():

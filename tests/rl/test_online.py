@@ -4,127 +4,22 @@ with the same completions and rewards."""
 
 import json
 import os
+import signal
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from astrai.config.train import RolloutOptions
-from astrai.model import CausalContext
 from astrai.model.adapter_files import load_checkpoint
 from astrai.rl.rollout import Rollout
 from astrai.text.tokenizer import load_tokenizer
 
-QUESTIONS = ["hello how are you today", "the quick brown fox jumps over the lazy dog please answer",
-             "what number is one two three", "good day"]
-
-REWARDS = '''
-def score(completion, sample):
-    if len(completion) % 7 == 3:
-        raise ValueError("a failing reward")
-    return completion.count("e") / (1 + len(completion)) + (sample["answer"] in completion)
-'''
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_tokenizer, make_chat_checkpoint):
-    root = tmp_path_factory.mktemp("online")
-    ckpt = make_chat_checkpoint(root / "ckpt", tiny_tokenizer)
-    with open(root / "prompts.jsonl", "w") as fh:
-        for i, q in enumerate(QUESTIONS * 2):
-            fh.write(json.dumps({"messages": [{"role": "user", "content": q}], "answer": ["yes", "no"][i % 2]}) + "\n")
-    (root / "pipe.yaml").write_text(
-        f"version: 1\ntokenizer: {ckpt}\nchat_template: tokenizer\ninput:\n  sections:\n"
-        "    - {field: messages, action: mask, template: true, add_generation_prompt: true}\n"
-        "    - {field: answer, action: value, value_type: string}\n")
-    r = subprocess.run([sys.executable, "-m", "astrai.cli", "preprocess", str(root / "pipe.yaml"), "-i",
-                        str(root / "prompts.jsonl"), "-o", str(root / "data"), "--workers", "1"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    (root / "my_rewards.py").write_text(REWARDS)
-    return root, Path(ckpt)
-
-
-def prompt_ids(root, n=None):
-    from astrai.train.data import TrainData
-
-    ds = TrainData(root / "data").dataset
-    return [ds[i]["input_ids"].tolist() for i in range(len(ds) if n is None else n)]
-
-
-def greedy_by_hand(model, ids, n, stop):
-    """The slow obvious decode: the model's own forward over the whole sequence for each new token."""
-    ids, out = list(ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            h = model(torch.tensor(ids), torch.arange(len(ids)), CausalContext())
-            t = int(model.logits(h[-1:]).argmax(-1))
-            out.append(t)
-            ids.append(t)
-            if t in stop:
-                break
-    return out
-
-
-def test_the_engine_samples_the_trainers_current_weights(setup):
-    root, ckpt = setup
-    tok = load_tokenizer(str(ckpt))
-    model = load_checkpoint(ckpt).train()
-    ro = RolloutOptions(group_size=2, max_tokens=8, temperature=0.0)
-    rollout = Rollout(model, tok, ro, seed=0, device="cpu")
-    prompts = prompt_ids(root, 2)
-    stop = {tok.tok.token_to_id("<|im_end|>"), tok.eos_id}
-    first, _ = rollout.generate(prompts, 0)
-    for p, group in zip(prompts, first):
-        assert group[0]["token_ids"] == group[1]["token_ids"] == greedy_by_hand(model, p, 8, stop)
-    with torch.no_grad():  # what an optimizer step does: the trainer's weights change in place
-        model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)
-        model.lm_head.weight.add_(0.2 * torch.randn_like(model.lm_head.weight))
-    rollout.sync(model)
-    second, _ = rollout.generate(prompts, 0)
-    assert [g[0]["token_ids"] for g in second] != [g[0]["token_ids"] for g in first]
-    for p, group in zip(prompts, second):
-        assert group[0]["token_ids"] == greedy_by_hand(model, p, 8, stop)
-    assert model.training  # the trainer's model is left as it was
-
-
-def test_seeded_rollouts_are_reproducible_and_groups_share_prompt_pages(setup):
-    root, ckpt = setup
-    tok = load_tokenizer(str(ckpt))
-    model = load_checkpoint(ckpt)
-    ro = RolloutOptions(group_size=4, max_tokens=6, temperature=1.0, page_size=4)
-    prompts = prompt_ids(root, 3)
-    a, stats = Rollout(model, tok, ro, seed=5, device="cpu").generate(prompts, 7)
-    b, _ = Rollout(model, tok, ro, seed=5, device="cpu").generate(prompts, 7)
-    c, _ = Rollout(model, tok, ro, seed=5, device="cpu").generate(prompts, 8)
-    ids = lambda groups: [[x["token_ids"] for x in g] for g in groups]  # noqa: E731
-    assert ids(a) == ids(b)
-    assert ids(a) != ids(c)  # another step draws other completions
-    assert any(len({tuple(x) for x in g}) > 1 for g in ids(a))  # G samples of a prompt differ
-    # the first completion of each prompt computes it; the other G-1 attach its full pages (the last prompt
-    # token is always computed: its logits sample the first token)
-    shared = sum((4 - 1) * ((len(p) - 1) // 4) * 4 for p in prompts)
-    assert stats["prefix_cached_tokens"] == shared > 0
-    assert [x["cached_tokens"] for x in a[0]] == [0] + [(len(prompts[0]) - 1) // 4 * 4] * 3
-
-
-def test_temperature_zero_rollouts_equal_astrai_generate(setup, tmp_path):
-    root, ckpt = setup
-    tok = load_tokenizer(str(ckpt))
-    with open(tmp_path / "chat.jsonl", "w") as fh:
-        for q in QUESTIONS:
-            fh.write(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n")
-    r = subprocess.run([sys.executable, "-m", "astrai.cli", "generate", str(ckpt), "--chat", str(tmp_path / "chat.jsonl"),
-                        "--temperature", "0", "--max-tokens", "12", "--device", "cpu", "--output",
-                        str(tmp_path / "out.jsonl")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    expected = [json.loads(line)["text"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    ro = RolloutOptions(group_size=2, max_tokens=12, temperature=0.0)
-    # the prompts as the pipeline rendered them for training (the dataset's rows), not re-encoded here
-    groups, _ = Rollout(load_checkpoint(ckpt), tok, ro, seed=0, device="cpu").generate(prompt_ids(root, 4), 0)
-    assert [g[0]["text"] for g in groups] == expected
+from rollout_helpers import QUESTIONS, greedy_by_hand, prompt_ids
 
 
 def train(root, ckpt, out, max_steps, kill_at=None, extra="", rollout=""):
@@ -137,7 +32,8 @@ from train_script import KillAt
 opts = TrainOptions(data={str(root / 'data')!r}, model={str(ckpt)!r}, output={str(out)!r}, strategy="grpo",
                     max_steps={max_steps}, lr=0.05, scheduler="constant", grpo_updates=1, grpo_kl_coef=0.05,
                     save_every=1, progress=False, seed=3, loss_type="grpo",
-                    rollout=dict(group_size=3, max_tokens=6, temperature=1.0, prompts_per_step=2{rollout}),
+                    rollout=dict(group_size=3, max_tokens=6, temperature=1.0, prompts_per_step=2, overlong_buffer=2
+                                 {rollout}),
                     rewards=[dict(function="my_rewards.py:score"), dict(name="format", pattern="e", weight=0.5)]{extra})
 result = run_online_grpo(opts, callbacks=[KillAt({kill_at})] if {kill_at!r} else [])
 from astrai.train.summary import lines
@@ -166,9 +62,14 @@ def test_online_training_logs_and_resumes_with_identical_rewards(setup):
         rs = [d["reward"] for d in done[k:k + 3] if d["reward"] is not None]
         advs = [d["advantage"] for d in done[k:k + 3] if d["reward"] is not None]
         if len(rs) > 1:
-            mean = sum(rs) / len(rs)
-            std = (sum((x - mean) ** 2 for x in rs) / (len(rs) - 1)) ** 0.5
+            mean, std = statistics.mean(rs), statistics.stdev(rs)
             assert advs == pytest.approx([(x - mean) / (std + 1e-4) for x in rs], abs=1e-5)
+    for d in done:  # DAPO's soft overlong punishment, max_tokens 6, buffer 2: 0 up to 4 tokens, -0.5 at 5, -1 at 6
+        if d["reward"] is not None:
+            expect = -1.0 if d["finish_reason"] == "length" else {5: -0.5, 6: -1.0}.get(d["tokens"], 0.0)
+            assert d["rewards"]["overlong"] == expect
+            assert d["reward"] == pytest.approx(d["rewards"]["score"] + 0.5 * d["rewards"]["format"] + expect)
+    assert -1.0 in {d["rewards"].get("overlong") for d in done}
     start = load_checkpoint(ckpt).state_dict()
     end = load_checkpoint(root / "a" / "final").state_dict()
     assert any(not torch.equal(start[k], end[k]) for k in start)
@@ -178,33 +79,6 @@ def test_online_training_logs_and_resumes_with_identical_rewards(setup):
     r = train(root, ckpt, root / "b", 3)
     assert r.returncode == 0, r.stderr
     assert (root / "b" / "completions.jsonl").read_text() == (root / "a" / "completions.jsonl").read_text()
-
-
-def test_with_lora_the_engine_samples_base_plus_adapters_and_keeps_no_pool(setup):
-    import gc
-
-    from astrai.infer.engine import Engine
-    from astrai.model.lora import LoraSpec, apply_lora, lora_layers
-
-    root, ckpt = setup
-    tok = load_tokenizer(str(ckpt))
-    model = load_checkpoint(ckpt)
-    apply_lora(model, LoraSpec(rank=4, alpha=8))
-    torch.manual_seed(1)
-    with torch.no_grad():  # a trained adapter: B no longer zero
-        for layer in lora_layers(model).values():
-            layer.lora_B.weight.normal_(0, 0.5)
-    ro = RolloutOptions(group_size=2, max_tokens=8, temperature=0.0)
-    prompts = prompt_ids(root, 2)
-    stop = {tok.tok.token_to_id("<|im_end|>"), tok.eos_id}
-    groups, stats = Rollout(model, tok, ro, seed=0, device="cpu").generate(prompts, 0)
-    base = load_checkpoint(ckpt)
-    for p, group in zip(prompts, groups):
-        assert group[0]["token_ids"] == greedy_by_hand(model, p, 8, stop)  # the LoRA-wrapped forward
-    assert [g[0]["token_ids"] for g in groups] != [greedy_by_hand(base, p, 8, stop) for p in prompts]
-    gc.collect()
-    assert not [o for o in gc.get_objects() if type(o) is Engine]  # the KV pool went with the engine
-    assert stats["kv_pool_mb"] > 0
 
 
 VAL_QUESTIONS = ["what is two plus two", "name a colour", "say something kind"]
@@ -263,3 +137,118 @@ def test_held_out_prompts_are_sampled_and_scored_without_changing_training(setup
     r = train(root, ckpt, root / "vk", 3, extra=val, rollout=", max_running=3")
     assert r.returncode == 0, r.stderr
     assert (root / "vk" / "val_completions.jsonl").read_text() == (out / "val_completions.jsonl").read_text()
+
+
+def test_group_advantages_by_hand():
+    """(r - mean) / (sample std + 1e-4) over a group's rewards that did not fail (None); 0 for a failed
+    completion, for a group whose rewards are all equal, and for a group with one reward left."""
+    from astrai.rl.online import advantages
+
+    third = 0.5 / (0.5773502691896258 + 1e-4)  # rewards 1, 0, 0, 1: mean 0.5, std sqrt(1/3)
+    half = 1 / (1.4142135623730951 + 1e-4)  # rewards 2, 0: mean 1, std sqrt(2)
+    cases = [([1.0, 0.0, 0.0, 1.0], True, [third, -third, -third, third]),
+             ([2.0, None, 0.0], True, [half, 0.0, -half]),
+             ([0.7, 0.7, 0.7], True, [0.0, 0.0, 0.0]),
+             ([3.0], True, [0.0]),
+             ([None, 5.0, None], True, [0.0, 0.0, 0.0]),
+             ([None, None], True, [0.0, 0.0]),
+             ([1.0, 0.0, 0.0, 1.0], False, [0.5, -0.5, -0.5, 0.5]),  # dr_grpo: r - mean, no std
+             ([2.0, None, 0.0], False, [1.0, 0.0, -1.0])]
+    for rewards, scale, expect in cases:
+        got = advantages(rewards, 1e-4, scale)
+        assert got.dtype == torch.float32
+        assert got.tolist() == pytest.approx(expect, abs=1e-6), (rewards, scale)
+    # rewards at float32's edge: the variance is taken in float64 (in float32 it is inf, and A would be 0)
+    big = advantages([3e38, -3e38], 1e-4, True).tolist()
+    assert big == pytest.approx([0.7071067811865476, -0.7071067811865476], abs=1e-6)
+
+
+def test_a_resumed_log_drops_later_steps_and_a_line_cut_by_a_kill(tmp_path):
+    from astrai.errors import InputError
+    from astrai.rl.online import trim_log
+
+    log = tmp_path / "completions.jsonl"
+    log.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a": 3}\n{"step": 3, "a"')
+    trim_log(log, 2)
+    assert log.read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
+    assert not list(tmp_path.glob(".*tmp*"))  # written to a temporary name and renamed
+    log.write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(InputError, match="completions.jsonl:2: not a completion record"):
+        trim_log(log, 2)
+
+
+def cli_config(root, ckpt, out, reward, **extra):
+    """An `astrai train` YAML for online GRPO on the prompt set, with `reward` as its reward file."""
+    (out.parent / "reward.py").write_text(reward)
+    opts = {"data": str(root / "data"), "model": str(ckpt), "output": str(out), "strategy": "grpo",
+            "max_steps": 3, "lr": 0.05, "grpo_updates": 1, "save_every": 1, "progress": False, "seed": 3,
+            "rollout": {"group_size": 3, "max_tokens": 6, "prompts_per_step": 2},
+            "reward": {"function": "reward.py:score"}, **extra}
+    cfg = out.parent / "train.yaml"
+    cfg.write_text(json.dumps(opts))  # JSON is YAML
+    return cfg
+
+
+def test_a_reward_failing_on_most_completions_stops_the_run_with_its_own_error(setup, tmp_path):
+    root, ckpt = setup
+    cfg = cli_config(root, ckpt, tmp_path / "out", "def score(completion, sample):\n"
+                                                   "    return {}[completion]\n")
+    r = subprocess.run([sys.executable, "-m", "astrai.cli", "train", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step 1: reward function 'score' failed on more than reward_error_share 0.5 of "
+                           "the 6 completions")
+    assert f"its first failure: score: {tmp_path / 'reward.py'}:2: KeyError: " in last
+    assert not (tmp_path / "out" / "checkpoints").exists()  # no step was trained on the failed rewards
+
+
+BLOCKING = """import os, time
+def score(completion, sample):
+    calls = os.path.join(os.path.dirname(__file__), "calls")
+    with open(calls, "a") as fh:
+        fh.write("x")
+    if os.path.getsize(calls) > 6:  # step 2 (6 completions a step): block, as a hung reward would
+        with open(os.path.join(os.path.dirname(__file__), "blocked"), "w") as fh:
+            fh.write(str(os.getpid()))
+        time.sleep(3600)
+    return float(len(completion))
+"""
+
+
+def test_a_second_signal_stops_at_once_while_a_reward_blocks_and_keeps_the_checkpoint(setup, tmp_path):
+    root, ckpt = setup
+    cfg = cli_config(root, ckpt, tmp_path / "out", BLOCKING, reward_timeout=3600)
+    proc = subprocess.Popen([sys.executable, "-m", "astrai.cli", "train", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    blocked = tmp_path / "blocked"
+    try:
+        deadline = time.monotonic() + 600
+        while not blocked.exists() or not blocked.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        worker = int(blocked.read_text())
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2)
+        assert proc.poll() is None  # the first waits for the step, whose reward blocks
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 130 and err.strip().endswith("interrupted; rerun to resume"), err
+    assert "SIGTERM again stops at once" in err
+    ckpts = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+    assert ckpts == ["step-00000001"]  # step 1's, whole; nothing of step 2
+    state = json.loads((tmp_path / "out" / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
+    assert state["global_step"] == 1
+    load_checkpoint(tmp_path / "out" / "checkpoints" / "step-00000001")
+    for _ in range(50):  # the reward worker went with the run
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the reward worker {worker} outlived the run")

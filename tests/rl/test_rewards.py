@@ -103,3 +103,85 @@ def test_reward_files_are_read_next_to_the_config(tmp_path):
     fixed = opts.with_reward_files_under(tmp_path)
     assert fixed.reward.function == f"{tmp_path}/r.py:f"
     assert [r.function for r in fixed.rewards] == ["pkg.mod:g", "/abs/x.py:h", None]
+
+
+def test_numpy_and_0d_scalars_are_rewards_and_float32_overflow_is_refused_as_such(tmp_path, monkeypatch):
+    (tmp_path / "np_rewards.py").write_text(
+        "import numpy as np, torch\n"
+        "VALUES = {'f32': np.float32(0.25), 'i64': np.int64(3), 'arr': np.array(1.5), 't': torch.tensor(2.0),\n"
+        "          'big': 1e308, 'bool': np.bool_(True), 'list': [1.0], 'near': 3e38}\n"
+        "def score(completion, sample):\n"
+        "    return VALUES[completion]\n")
+    monkeypatch.chdir(tmp_path)
+    s = Scorer([RewardSpec(function="np_rewards.py:score")], 16)
+    for text, value in (("f32", 0.25), ("i64", 3.0), ("arr", 1.5), ("t", 2.0), ("near", 3e38)):
+        total, per, err = s.score(text, sample())
+        assert err is None and total == pytest.approx(value) and type(total) is float, text
+    total, _, err = s.score("big", sample())
+    assert total is None and "returned 1e+308, beyond float32's range" in err
+    assert f"{tmp_path / 'np_rewards.py'}:4: " in err  # the user's function, where it is defined
+    for text in ("bool", "list"):
+        total, _, err = s.score(text, sample())
+        assert total is None and "not a number" in err, text
+    # each value fits, their weighted sum does not
+    w = Scorer([RewardSpec(function="np_rewards.py:score", weight=2.0)], 16)
+    total, _, err = w.score("near", sample())
+    assert total is None and "weighted sum" in err and "beyond float32's range" in err
+
+
+def test_a_failure_names_the_line_of_the_users_code_that_raised(tmp_path, monkeypatch):
+    (tmp_path / "deep.py").write_text(
+        "def helper(x):\n"
+        "    return 1 / x\n"
+        "def score(completion, sample):\n"
+        "    return helper(len(completion) - 3)\n")
+    monkeypatch.chdir(tmp_path)
+    total, _, err = Scorer([RewardSpec(function="deep.py:score")], 16).score("abc", sample())
+    assert total is None and err == f"score: {tmp_path / 'deep.py'}:2: ZeroDivisionError: division by zero"
+
+
+SLOW = '''
+import os, time
+def score(completion, sample):
+    if completion == "hang":
+        while True:
+            pass
+    if completion == "die":
+        os._exit(3)
+    if completion == "raise":
+        raise ValueError("no " + completion)
+    return float(len(completion))
+'''
+
+
+def test_a_call_past_the_timeout_fails_alone_and_the_worker_is_replaced(tmp_path, monkeypatch):
+    (tmp_path / "slow.py").write_text(SLOW)
+    monkeypatch.chdir(tmp_path)
+    s = Scorer([RewardSpec(function="slow.py:score"), RewardSpec(name="format", pattern="a")], 16, timeout=1.0)
+    try:
+        out = s.score_all([(t, sample()) for t in ("ab", "hang", "abc", "die", "a")])
+    finally:
+        s.close()
+    assert [o[0] for o in out] == [3.0, None, 4.0, None, 2.0]
+    assert out[1][2] == "score: timed out after 1 s (reward_timeout)"
+    assert out[1][1] == {"format": 1.0}  # the other function still scored it
+    assert "worker process ended (exit status 3)" in out[3][2]
+    with pytest.raises(InputError, match="has no function 'nope'"):  # load errors come back from the worker
+        Scorer([RewardSpec(function="slow.py:nope")], 16, timeout=1.0)
+
+
+def test_a_function_failing_on_more_than_the_share_stops_with_its_own_error(tmp_path, monkeypatch):
+    from astrai.rl.rewards import RewardError
+
+    (tmp_path / "slow.py").write_text(SLOW)
+    monkeypatch.chdir(tmp_path)
+    items = [(t, sample()) for t in ("raise", "ab", "raise", "abc")]
+    s = Scorer([RewardSpec(function="slow.py:score")], 16, error_share=0.5)
+    assert [o[0] for o in s.score_all(items, "step 1")] == [None, 2.0, None, 3.0]  # 2 of 4: not more than half
+    assert s.last_failures == {"score": (2, f"score: {tmp_path / 'slow.py'}:10: ValueError: no raise")}
+    with pytest.raises(RewardError) as e:
+        s.score_all(items + [("raise", sample())], "step 2")  # 3 of 5
+    assert str(e.value).startswith("step 2: reward function 'score' failed on more than reward_error_share 0.5")
+    assert str(e.value).endswith(f"its first failure: score: {tmp_path / 'slow.py'}:10: ValueError: no raise")
+    never = Scorer([RewardSpec(function="slow.py:score")], 16, error_share=1.0)
+    assert all(o[0] is None for o in never.score_all([("raise", sample())] * 3, "step 1"))
