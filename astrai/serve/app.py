@@ -46,6 +46,7 @@ from astrai.serve.responses import (DONE, ChunkWriter, NotFinite, TokenText, cha
                                     completion_logprobs, new_id, sse_error, text_response, usage)
 
 SHUTTING_DOWN = "the server is shutting down: the request was cancelled"
+HEALTH_WAIT_S = 0.5  # longer inside one engine step: /health answers with the last snapshot's figures, "stale": true
 
 
 @dataclass
@@ -253,9 +254,10 @@ class Server:
              "max_model_len": self.checks.context}]})
 
     async def health(self, request: Request):
-        s = await self.loop.snapshot()
+        s = await self.loop.snapshot(wait=HEALTH_WAIT_S)
         return JSONResponse({"status": "ok", **{k: s[k] for k in ("running", "waiting", "kv_tokens_total",
-                                                                    "kv_tokens_free", "kv_tokens_cached")}})
+                                                                    "kv_tokens_free", "kv_tokens_cached", "stale")
+                                                if k in s}})
 
     async def prometheus(self, request: Request):
         snap = await self.loop.snapshot()

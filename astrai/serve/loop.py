@@ -77,6 +77,7 @@ class EngineLoop:
         # samples at 16 clients when done per step)
         self._outbox: collections.deque = collections.deque()
         self._wake_pending = False
+        self._last_snapshot: Optional[dict] = None  # set on the engine thread (one reference assignment)
 
     # ---- event loop side ----
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -103,10 +104,18 @@ class EngineLoop:
             stream.done.set_result(None)
         self._commands.put(("cancel", stream))
 
-    async def snapshot(self) -> dict:
+    async def snapshot(self, wait: Optional[float] = None) -> dict:
+        """The engine's counters, taken on the engine thread between two steps (after a cancellation they see
+        its pages back). With `wait`: when the engine is still inside a step after that many seconds (a long
+        prefill), the last snapshot taken, marked {"stale": True}, so /health answers at once under any load."""
         fut = self._loop.create_future()
         self._commands.put(("snapshot", fut))
-        return await fut
+        if wait is None or self._last_snapshot is None:
+            return await fut
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), wait)
+        except asyncio.TimeoutError:
+            return {**self._last_snapshot, "stale": True}
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread.is_alive():
@@ -203,7 +212,7 @@ class EngineLoop:
                 if req is not None and self._live.pop(req.rid, None) is not None:
                     self.engine.abort(req)
         elif kind == "snapshot":
-            snap = self._snapshot()
+            snap = self._last_snapshot = self._snapshot()
             fut = cmd[1]
             self._loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(snap))
 

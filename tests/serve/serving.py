@@ -81,7 +81,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             h = self.get("/health")
-            if (h["running"], h["waiting"]) == (0, 0) or time.monotonic() > deadline:
+            if (h["running"], h["waiting"]) == (0, 0) and "stale" not in h or time.monotonic() > deadline:
                 return h
             time.sleep(0.05)
 

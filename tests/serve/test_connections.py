@@ -17,13 +17,13 @@ HALF_SENT = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nx-slow: "
 
 
 def test_half_sent_connections_beyond_the_cap_and_the_fd_limit(serve_checkpoint):
-    """150 idle connections that never finish their headers: more than twice --max-connections 16, and more
-    than the 128 files the process may open. /health answers within a second while they are held; the
+    """300 idle connections that never finish their headers: far more than twice --max-connections 16, and more
+    than the 256 files the process may open. /health answers within a second while they are held; the
     server closes them (the longest idle beyond the cap, the rest after --read-timeout); stderr stays quiet."""
-    s = ServerProcess(serve_checkpoint, "--max-connections", "16", "--read-timeout", "4", nofile=128)
+    s = ServerProcess(serve_checkpoint, "--max-connections", "16", "--read-timeout", "4", nofile=256)
     try:
         socks = []
-        for _ in range(150):
+        for _ in range(300):
             c = socket.create_connection(s.address, timeout=30)
             c.sendall(HALF_SENT)
             socks.append(c)

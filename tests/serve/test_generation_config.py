@@ -89,3 +89,18 @@ def test_chat_samples_with_the_checkpoints_generation_config(gen_checkpoint, ref
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello how are you\n"))  # a flag wins over the file
     assert main(["chat", str(gen_checkpoint), "--max-tokens", "8", "--temperature", "0", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.split("\n")[0] == reference(CHAT, max_tokens=8, **{**OWN, "temperature": 0})
+
+
+def test_command_defaults_of_max_tokens_hold_under_any_sampling_keys():
+    """chat answers up to 512 tokens and generate 256 unless told (a sampling block without max_tokens keeps the
+    command's default); a checkpoint's generation_config.json never sets max_tokens."""
+    from astrai.config.infer import GenerateOptions, with_checkpoint_defaults
+    from astrai.config.serve import ChatOptions
+
+    chat = ChatOptions.model_validate({"checkpoint": "c", "sampling": {"temperature": 0.5}})
+    assert chat.sampling.max_tokens == 512 and ChatOptions(checkpoint="c").sampling.max_tokens == 512
+    assert with_checkpoint_defaults(chat.sampling, OWN).model_dump() == {
+        **SamplingParams(max_tokens=512).model_dump(), **OWN, "temperature": 0.5}
+    gen = GenerateOptions.model_validate({"checkpoint": "c", "prompt": "p", "sampling": {"top_k": 2}})
+    assert gen.sampling.max_tokens == 256 and gen.sampling.top_k == 2
+    assert ChatOptions.model_validate({"checkpoint": "c", "sampling": {"max_tokens": 9}}).sampling.max_tokens == 9
