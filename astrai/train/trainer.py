@@ -60,6 +60,7 @@ from astrai.train.callbacks import (Callback, Checkpoint, GradientCheckpointing,
 from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_sync, is_sharded, named_optimizer_state,
                                      reshard, wrap)
 from astrai.train.host_memory import return_freed_memory
+from astrai.train.step_metrics import add_metrics, reduce_metrics
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
 from astrai.train.report import open_reporters
 from astrai.train.resume_checks import DataOrder
@@ -375,27 +376,3 @@ class Trainer:
         self.raw_model.train()
         totals, _ = reduce_metrics(sums, counts, max(all_sum([units], d)[0], 1.0), d)
         return {f"val_{k}": v for k, v in totals.items()}
-
-
-def add_metrics(sums: dict, counts: dict, metrics: dict):
-    """Accumulate a loss's metrics: a number is a sum over units, a (sum, count) pair a mean of its own."""
-    for k, v in metrics.items():
-        if isinstance(v, tuple):
-            sums[k] = sums.get(k, 0.0) + v[0]
-            counts[k] = counts.get(k, 0.0) + v[1]
-        else:
-            sums[k] = sums.get(k, 0.0) + v
-
-
-def reduce_metrics(sums: dict, counts: dict, units: float, dist: Dist, flag: float = 0.0,
-                   raw: tuple = ()) -> tuple[dict, bool]:
-    """Sum over ranks (one collective), then each sum divided by its count or by the units (the
-    `raw` keys stay sums); a metric with a count of zero (e.g. no group with unequal rewards) is
-    left out. Returns (values, whether any rank raised the flag)."""
-    keys, ckeys = sorted(sums), sorted(counts)
-    values = all_sum([sums[k] for k in keys] + [counts[k] for k in ckeys] + [flag], dist)
-    total = dict(zip(keys, values))
-    count = dict(zip(ckeys, values[len(keys):]))
-    out = {k: total[k] if k in raw else total[k] / count[k] if k in count else total[k] / units
-           for k in keys if count.get(k, 1.0) > 0}
-    return out, values[-1] > 0

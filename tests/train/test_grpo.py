@@ -19,7 +19,8 @@ from test_strategies import LOG, policy, uniform  # noqa: E402
 from astrai.train import resume  # noqa: E402
 from astrai.train.grpo_loss import per_token_terms  # noqa: E402
 from astrai.train.strategies import Env, GRPOStrategy, make_strategy  # noqa: E402
-from astrai.train.trainer import Trainer, add_metrics, reduce_metrics  # noqa: E402
+from astrai.train.step_metrics import add_metrics, reduce_metrics  # noqa: E402
+from astrai.train.trainer import Trainer  # noqa: E402
 from astrai.train.distributed import Dist  # noqa: E402
 
 
