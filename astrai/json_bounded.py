@@ -33,7 +33,7 @@ def loads(raw: Union[bytes, str], where: str, what: str = "JSON file", error: ty
     except UnicodeDecodeError as e:
         raise error(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); not {_a(what)}") from None
     except json.JSONDecodeError as e:
-        raise error(f"{where}: not valid JSON ({e})") from None
+        raise error(f"{where}: invalid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
     except RecursionError:
         raise error(f"{where}: JSON nested more than {max_depth} levels deep; not {_a(what)}") from None
     if depth(value, max_depth) > max_depth:

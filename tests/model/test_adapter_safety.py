@@ -245,3 +245,15 @@ def test_a_sound_adapter_still_merges_exactly(made):
     want = plain[f"{name}.weight"] + 8.0 / 4 * tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"]
     torch.testing.assert_close(dict(model.named_parameters())[f"{name}.weight"].detach(), want, atol=1e-6, rtol=0)
     assert math.isfinite(float(model.model.layers[0].self_attn.q_proj.weight.sum()))
+
+
+def test_an_adapter_on_a_tied_lm_head_is_refused(adapter, made, tmp_path):
+    # merging into lm_head would change the input embeddings it shares its weight with (PEFT's unmerged
+    # forward changes only the output): the merged model would not be the adapter's
+    base = shutil.copytree(made[0], tmp_path / "base")
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    set_config(adapter, target_modules=["q_proj", "v_proj", "lm_head"])
+    with pytest.raises(ModelFileError, match=r"adapter_config.json: target_modules selects lm_head, whose weight base "
+                                             r".* ties to its input embeddings"):
+        load_checkpoint(adapter, base=base)
