@@ -31,14 +31,18 @@ def loads(raw: Union[bytes, str], where: str, what: str = "JSON file", error: ty
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
         value = json.loads(text)
     except UnicodeDecodeError as e:
-        raise error(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); not a {what}") from None
+        raise error(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); not {_a(what)}") from None
     except json.JSONDecodeError as e:
-        raise error(f"{where}: not valid JSON ({e})") from None
+        raise error(f"{where}: invalid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
     except RecursionError:
-        raise error(f"{where}: JSON nested more than {max_depth} levels deep; not a {what}") from None
+        raise error(f"{where}: JSON nested more than {max_depth} levels deep; not {_a(what)}") from None
     if depth(value, max_depth) > max_depth:
-        raise error(f"{where}: JSON nested more than {max_depth} levels deep; not a {what}")
+        raise error(f"{where}: JSON nested more than {max_depth} levels deep; not {_a(what)}")
     return value
+
+
+def _a(what: str) -> str:
+    return ("an " if what[:1].lower() in "aeiou" else "a ") + what
 
 
 def depth(value: Any, stop: int = MAX_DEPTH) -> int:
@@ -62,8 +66,8 @@ def read_json(path: PathLike, what: str, max_bytes: int, error: type = InputErro
     with open_regular(path, "rb", what, error=error) as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
-            raise error(f"{path}: {size:,} bytes, more than a {what} can reasonably hold ({max_bytes:,})")
+            raise error(f"{path}: {size:,} bytes, more than {_a(what)} can reasonably hold ({max_bytes:,})")
         raw = f.read(max_bytes + 1)  # a file that grew after the check is still read only this far
     if len(raw) > max_bytes:
-        raise error(f"{path}: more than {max_bytes:,} bytes, more than a {what} can reasonably hold")
+        raise error(f"{path}: more than {max_bytes:,} bytes, more than {_a(what)} can reasonably hold")
     return loads(raw, str(path), what, error, max_depth)

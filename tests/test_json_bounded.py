@@ -70,7 +70,7 @@ def test_a_deep_safetensors_header_is_refused_by_file(tmp_path, levels):
 
     header = nested(levels).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    with pytest.raises(ModelFileError, match=rf"model.safetensors: the safetensors header: JSON nested more than"):
+    with pytest.raises(ModelFileError, match=r"model.safetensors: the safetensors header: JSON nested more than"):
         read_header(tmp_path / "model.safetensors")
 
 
@@ -95,3 +95,16 @@ def test_deep_training_state_files_are_refused_by_file(tmp_path, levels):
     with pytest.raises(CheckpointError, match=rf"scheduler.json: JSON nested more than {MAX_DEPTH}"):
         read_scheduler(tmp_path, None)
     assert torch  # the train package imports torch; keep the import visible
+
+
+@pytest.mark.parametrize("name", ["generation_config.json", "tokenizer_config.json"])
+def test_deep_generation_and_tokenizer_configs_are_one_error_line(make_chat_checkpoint, tiny_tokenizer, tmp_path,
+                                                                 capsys, name):
+    from astrai.cli import main
+
+    ckpt = make_chat_checkpoint(tmp_path / "ckpt", tiny_tokenizer)
+    (ckpt / name).write_text(nested(5000))
+    assert main(["generate", str(ckpt), "--prompt", "hi", "--max-tokens", "1", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {ckpt / name}: JSON nested more than {MAX_DEPTH} levels deep; not a "
+                   f"{'generation_config.json' if name.startswith('gen') else 'tokenizer file'}"], err

@@ -1,13 +1,14 @@
 """JSON Lines records, each line read with a bound: a line longer than the bound is passed over, never held.
 
-`bounded_lines(fh, max_bytes, length)` yields each line of a binary file or stream (plain, or a gzip /
-zstd stream) with its newline, while its content (the bytes before the newline) is at most
+`bounded_lines(fh, max_bytes, length)` yields each line of a binary file or stream (plain, or a
+gzip / zstd stream) with its newline, while its content (the bytes before the newline) is at most
 `max_bytes`; a longer line comes back as LongLine(size) instead, after it was read past in
-SKIP_CHUNK pieces (`length`: stop after that many bytes, a partition's end). So memory stays within max_bytes + SKIP_CHUNK whatever the input holds (a 2 GB
-line included), and the line numbers after a long line stay right. `skip_line(fh)` moves to the
-next line start the same way (partition planning seeks into the middle of a line). `records`
-parses the lines into records (`parse_json_line`), a long line becoming a record_too_large
-RecordError, located by its line number like any other bad record.
+SKIP_CHUNK pieces (`length`: stop after that many bytes, a partition's end). So memory stays
+within max_bytes + SKIP_CHUNK whatever the input holds (a 2 GB line included), and the line
+numbers after a long line stay right. `skip_line(fh)` moves to the next line start the same way
+(partition planning seeks into the middle of a line). `records` parses the lines into records
+(`parse_json_line`), a long line becoming a record_too_large RecordError, located by its line
+number like any other bad record.
 """
 
 from __future__ import annotations

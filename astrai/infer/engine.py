@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from astrai.config.infer import EngineOptions, generation_config_sampling
-from astrai.errors import InputError, InvalidRequest, read_text_regular
+from astrai.errors import InputError, InvalidRequest
 from astrai.infer.backend import select_backend
 from astrai.infer.budget import check_engine_memory, resolve_device
 from astrai.infer.cache import PagePool, pages_for
@@ -125,8 +125,7 @@ class Engine:
         or a LoRA adapter directory: its base (`base`, else the one it names) with the adapters merged
         in, the adapter directory's tokenizer when it has one (else the base's). A base that does not
         fit the adapter is refused before any weight is loaded (astrai.model.adapter_files)."""
-        import json
-
+        from astrai import json_bounded
         from astrai.model.adapter_files import is_adapter, load_checkpoint, resolve_base
         from astrai.text.tokenizer import load_tokenizer
 
@@ -141,10 +140,7 @@ class Engine:
             f = dirs[-1] / name
             if not f.exists():
                 continue
-            try:
-                cfg = json.loads(read_text_regular(f, name, 1 << 20))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{f}:{e.lineno}: invalid JSON: {e.msg}") from None
+            cfg = json_bounded.read_json(f, name, 1 << 20)  # bounded size and nesting
             e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
             ids = e if isinstance(e, list) else [e] if e is not None else []
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):

@@ -150,8 +150,9 @@ def check_adapter_config(cfg, path: Path) -> AdapterConfig:
     base = cfg.get("base_model_name_or_path")
     if base is not None and not isinstance(base, str):
         _fail(path, "base_model_name_or_path", f"must be a path, got {base!r}")
-    out = AdapterConfig(path, r, float(alpha), rslora, _modules(path, "target_modules", cfg.get("target_modules"), True),
-                        _modules(path, "exclude_modules", cfg.get("exclude_modules"), False), base or None, cfg)
+    targets = _modules(path, "target_modules", cfg.get("target_modules"), True)
+    exclude = _modules(path, "exclude_modules", cfg.get("exclude_modules"), False)
+    out = AdapterConfig(path, r, float(alpha), rslora, targets, exclude, base or None, cfg)
     key = "lora_alpha / sqrt(r)" if rslora else "lora_alpha / r"
     if not abs(out.scaling) <= MAX_SCALING:
         _fail(path, "lora_alpha", f"{alpha!r} with r {r}: the scaling {key} = {out.scaling:.4g} is beyond "

@@ -196,7 +196,8 @@ def check_adapter(directory: Union[str, os.PathLike], base: Union[str, os.PathLi
         if info.shape != want:
             raise AdapterError(f"{where}: tensor {PREFIX}{key} is {list(info.shape)}, but base {base} needs "
                                f"{list(want)} (r={cfg.r}, {layer.in_features} -> {layer.out_features})")
-    lacking = [f"{PREFIX}{m}.lora_{k}.weight" for m in sorted(chosen) for k in "AB" if f"{m}.lora_{k}.weight" not in infos]
+    lacking = [f"{PREFIX}{m}.lora_{k}.weight" for m in sorted(chosen) for k in "AB"
+               if f"{m}.lora_{k}.weight" not in infos]
     if lacking:
         raise AdapterError(f"{weights}: {len(lacking)} tensor(s) of the modules target_modules selects are missing: "
                            f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}")

@@ -81,7 +81,8 @@ def read_header_and_metadata(path: os.PathLike | str) -> tuple[dict[str, TensorI
     if not isinstance(header, dict):
         raise ModelFileError(f"{path}: the safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ModelFileError(f"{path}: the safetensors header's __metadata__ must map strings to strings")
     data = size - 8 - n
     infos, spans = {}, []

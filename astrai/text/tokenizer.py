@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from astrai.config.pipeline import package_spec_problem
+from astrai import json_bounded
 from astrai.errors import InputError, read_bytes_regular, read_text_regular
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -234,10 +235,7 @@ def with_added_tokens(tokenizer: Tokenizer, tokens: list[str]) -> Tokenizer:
 def _read_json(p: Path) -> dict:
     if not p.exists():
         return {}
-    try:
-        data = json.loads(read_text_regular(p, "tokenizer file", MAX_CONFIG_BYTES))
-    except json.JSONDecodeError as e:
-        raise InputError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
+    data = json_bounded.read_json(p, "tokenizer file", MAX_CONFIG_BYTES)  # bounded size and nesting
     if not isinstance(data, dict):
         raise InputError(f"{p}: expected a JSON object at the top level, got {type(data).__name__} "
                          f"(is it the right file?)")

@@ -122,7 +122,16 @@ def test_one_worker_and_two_give_the_same_bytes(tmp_path, tiny_tokenizer):
     outs = []
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
-        run_preprocess(pipe("skip", LIMIT, partition_bytes=4096), [str(f)], str(out), tokenizer=str(tiny_tokenizer), workers=workers, log=lambda s: None)
+        run_preprocess(pipe("skip", LIMIT, partition_bytes=4096), [str(f)], str(out), tokenizer=str(tiny_tokenizer),
+                       workers=workers, log=lambda s: None)
         outs.append({q.name: q.read_bytes() for q in sorted((out / "data").iterdir())}
                     | {"rejects": (out / "rejects.jsonl").read_bytes()})
     assert outs[0] == outs[1] and outs[0]["rejects"].count(b"record_too_large") == 40
+
+
+def test_validate_reads_with_the_pipelines_bound(tmp_path, tiny_tokenizer):
+    from astrai.data.inspect.records import records_report
+
+    f = write(tmp_path, "jsonl", lines_with_a_long_one())
+    report = records_report("p.yaml", pipe("skip", LIMIT), str(tmp_path), str(tiny_tokenizer), [str(f)], [0, 1, 2, 3])
+    assert report.stats["records_rejected"] == 1 and report.stats["rejected_by_reason"] == {"record_too_large": 1}

@@ -144,7 +144,7 @@ def test_broken_safetensors_files_are_named(ckpt):
     _write(ckpt, header, data, length=10 ** 12)
     refused(ckpt, "header length 1,000,000,000,000 is larger than the file")
     (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"{nope")
-    refused(ckpt, "the safetensors header: not valid JSON")
+    refused(ckpt, "the safetensors header: invalid JSON")
     (ckpt / "model.safetensors").write_bytes(b"abc")
     refused(ckpt, "3 bytes: truncated")
     forged = json.loads(json.dumps(header))
@@ -168,7 +168,7 @@ def test_a_broken_or_escaping_index_is_refused(ckpt, tmp_path):
         index.write_text(json.dumps({"weight_map": {n: target for n in names}}))
         refused(ckpt, "points outside the checkpoint directory")
     index.write_text("{not json")
-    refused(ckpt, "model.safetensors.index.json: not valid JSON")
+    refused(ckpt, "model.safetensors.index.json: invalid JSON")
     index.write_text(json.dumps({"weight_map": ["part-1.safetensors"]}))
     refused(ckpt, "weight_map must map tensor names to file names")
     index.write_text(json.dumps({"weight_map": {**{n: "part-1.safetensors" for n in names}, "extra.w": "part-1.safetensors"}}))
@@ -240,7 +240,7 @@ def test_config_json_that_is_not_an_object(ckpt):
     (ckpt / "config.json").write_text("[1, 2]")
     refused(ckpt, "config.json: expected a JSON object, got list")
     (ckpt / "config.json").write_text("{")
-    refused(ckpt, "config.json: not valid JSON")
+    refused(ckpt, "config.json: invalid JSON")
 
 
 @pytest.mark.parametrize("changes,match", [

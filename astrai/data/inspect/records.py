@@ -38,7 +38,7 @@ def records_report(title: str, pipeline, base_dir: str, tokenizer: str, inputs: 
 
     proc = Processor(pipeline, load_tokenizer(tokenizer, base_dir, pipeline.added_tokens), base_dir)
     seen: dict = {}
-    items = list(read_records(expand_inputs(inputs), wanted, seen))
+    items = list(read_records(expand_inputs(inputs), wanted, seen, pipeline.preprocessing.max_record_bytes))
     found = {i for i, _, _, _ in items}
     notes = [f"record {k}: not in the input (it has {seen.get('records')} records)"
              for k in wanted if explicit and k not in found]
@@ -47,14 +47,18 @@ def records_report(title: str, pipeline, base_dir: str, tokenizer: str, inputs: 
                   notes)
 
 
-def read_records(files: list[Path], wanted: list[int], seen: Optional[dict] = None) -> Iterator[tuple]:
+def read_records(files: list[Path], wanted: list[int], seen: Optional[dict] = None,
+                 max_record_bytes: Optional[int] = None) -> Iterator[tuple]:
     """(index, record | RecordError, file, where) for the wanted indices, reading only up to the last.
 
     Indices count records in input order as preprocess reads them (blank JSONL lines are not
     records, unparsable ones are). Unwanted records are skipped without parsing where the format
     allows (JSONL lines, Parquet row groups). When the input ends first, seen["records"] is its size.
+    A line longer than `max_record_bytes` (default: the pipeline's default) is a record_too_large error.
     """
-    from astrai.data.read import SUFFIX_KINDS
+    from astrai.data.read import MAX_RECORD_BYTES, SUFFIX_KINDS
+
+    max_bytes = max_record_bytes or MAX_RECORD_BYTES
 
     want, last, idx = set(wanted), max(wanted), 0
     for f in files:
@@ -65,24 +69,24 @@ def read_records(files: list[Path], wanted: list[int], seen: Optional[dict] = No
             raise InputError(f"input {f}: unknown format '{f.suffix}' (expected .jsonl, .json, .parquet or a "
                              f"save_to_disk directory)")
         reader = {"jsonl": _jsonl_records, "parquet": _parquet_records}.get(kind, _whole_records)
-        idx = yield from reader(f, idx, want, last)
+        idx = yield from reader(f, idx, want, last, max_bytes)
     if seen is not None and idx <= last:
         seen["records"] = idx
 
 
-def _jsonl_records(f: Path, idx: int, want: set, last: int):
+def _jsonl_records(f: Path, idx: int, want: set, last: int, max_bytes: int):
     from astrai.data.lines import LongLine, bounded_lines
-    from astrai.data.read import MAX_RECORD_BYTES, Partition, read_partition
+    from astrai.data.read import Partition, read_partition
 
     offset, line = 0, 0
     with open(f, "rb") as fh:
-        for raw in bounded_lines(fh, MAX_RECORD_BYTES):  # a longer line is passed over, never held
+        for raw in bounded_lines(fh, max_bytes):  # a longer line is passed over, never held
             line += 1
             start, offset = offset, offset + (raw.size if isinstance(raw, LongLine) else len(raw))
             if isinstance(raw, bytes) and not raw.strip():
                 continue  # as the reader: a blank line is not a record
             if idx in want:  # parse this line alone, with the reader's own checks and messages
-                for batch in read_partition(Partition(0, str(f), "jsonl", start, offset, line), 1):
+                for batch in read_partition(Partition(0, str(f), "jsonl", start, offset, line), 1, None, max_bytes):
                     for rec, where in batch:
                         yield idx, rec, str(f), where
             idx += 1
@@ -91,7 +95,7 @@ def _jsonl_records(f: Path, idx: int, want: set, last: int):
     return idx
 
 
-def _parquet_records(f: Path, idx: int, want: set, last: int):
+def _parquet_records(f: Path, idx: int, want: set, last: int, max_bytes: int):
     import pyarrow.parquet as pq
 
     from astrai.data.read import Partition, read_partition
@@ -115,12 +119,12 @@ def _parquet_records(f: Path, idx: int, want: set, last: int):
     return idx
 
 
-def _whole_records(f: Path, idx: int, want: set, last: int):
+def _whole_records(f: Path, idx: int, want: set, last: int, max_bytes: int):
     """JSON files and saved HF datasets: read in order (a JSON document is parsed whole anyway)."""
     from astrai.data.read import plan_partitions, read_partition
 
     for part in plan_partitions([f], 1 << 62):
-        for batch in read_partition(part, 64):
+        for batch in read_partition(part, 64, None, max_bytes):
             for rec, where in batch:
                 if idx in want:
                     yield idx, rec, part.file, where
