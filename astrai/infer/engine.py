@@ -8,6 +8,12 @@ One `step()` = schedule -> one forward -> sample -> stop checks; finished reques
 back at once (their written pages stay in the radix cache for later prompts). A request ends with
 finish_reason "stop" (a stop token id, the tokenizer's EOS unless ignore_eos, the chat template's
 end-of-turn token for conversations, or a stop string), "length" (max_tokens) or "abort".
+
+Weights may change between steps (online RL copies a trainer's weights into the model in place):
+each step first calls `sync_weights()`, which refreshes the fused copies and drops every cached
+prefix when they did. `sleep()` gives the KV pool's memory and the fused copies back while no
+request is in flight (a trainer's optimizer step can use it); `wake()`, or the next step, takes
+them again.
 """
 
 from __future__ import annotations

@@ -97,9 +97,16 @@ class FusedLayer:
     up_own: torch.Tensor
 
 
-def _input_major(*linears: nn.Linear) -> torch.Tensor:
-    """[in, sum of out] contiguous: the linears' weights side by side, each transposed."""
-    return torch.cat([m.weight.detach().t() for m in linears], dim=1).contiguous()
+def _input_major(*linears: nn.Linear, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[in, sum of out] contiguous: the linears' weights side by side, each transposed; written into
+    `into` when it has that shape, dtype and device (no new memory)."""
+    parts = [m.weight.detach().t() for m in linears]
+    w = parts[0]
+    shape = (w.shape[0], sum(p.shape[1] for p in parts))
+    if into is not None and into.shape == shape and into.dtype == w.dtype and into.device == w.device:
+        with torch.inference_mode():  # `into` may have been made under it (a first step run there)
+            return torch.cat(parts, dim=1, out=into)
+    return torch.cat(parts, dim=1).contiguous()
 
 
 def _version(p: torch.Tensor) -> int:
@@ -161,17 +168,20 @@ class FusedModel:
 
     @torch.no_grad()
     def rebuild(self) -> None:
-        """(Re)make the fused copies from the model's current weights."""
-        self.layers = []
-        for layer in self.model.model.layers:
+        """(Re)make the fused copies from the model's current weights: into the copies already there
+        when they fit (a weight sync after each optimizer step of online RL is then a copy, not new
+        memory to allocate and fault in), else new ones."""
+        old, self.layers = self.layers, []
+        for i, layer in enumerate(self.model.model.layers):
             a, m = layer.self_attn, layer.mlp
+            prev = old[i] if i < len(old) else None
             self.layers.append(FusedLayer(
                 ln1=layer.input_layernorm.weight.detach(),
-                qkv_t=_input_major(a.q_proj, a.k_proj, a.v_proj),
+                qkv_t=_input_major(a.q_proj, a.k_proj, a.v_proj, into=prev.qkv_t if prev else None),
                 qkv_bias=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                o_t=_input_major(a.o_proj),
+                o_t=_input_major(a.o_proj, into=prev.o_t if prev else None),
                 ln2=layer.post_attention_layernorm.weight.detach(),
-                gate_up_t=_input_major(m.gate_proj, m.up_proj),
+                gate_up_t=_input_major(m.gate_proj, m.up_proj, into=prev.gate_up_t if prev else None),
                 down_t=m.down_proj.weight.detach().t(),
                 qkv_own=tuple((p.weight.detach(), None if p.bias is None else p.bias.detach())
                               for p in (a.q_proj, a.k_proj, a.v_proj)),

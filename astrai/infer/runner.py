@@ -150,7 +150,13 @@ class ModelRunner:
         w = self.model.lm_head.weight
         key = (w.data_ptr(), w._version)
         if key != self._head_key:
-            self._head_t, self._head_key = w.detach().t().contiguous(), key
+            t = self._head_t
+            if t is not None and t.shape == w.shape[::-1] and t.dtype == w.dtype:
+                with torch.inference_mode():  # made under it, by a forward
+                    t.copy_(w.detach().t())  # the weights changed in place (a sync): no new memory
+            else:
+                self._head_t = w.detach().t().contiguous()
+            self._head_key = key
         return self.model.cap_logits(hidden @ self._head_t)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext, list[int]]:

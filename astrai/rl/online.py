@@ -71,6 +71,7 @@ class OnlineGRPO(GRPOStrategy):
         self.dataset, self.tokenizer = data.dataset, data.tokenizer
         self.prompts_per_step = options.batch_size * options.grad_accum
         self.longest = longest_prompt(self.dataset)
+        self.has_val = options.val_data is not None
         if options.val_data:
             from astrai.train.data import TrainData
 
@@ -106,7 +107,7 @@ class OnlineGRPO(GRPOStrategy):
             trim_log(self.val_log, step)
             self._trimmed = True
         if self.rollout is None:
-            piece = max(1, self.ro.max_running // self.ro.group_size)  # held-out prompts per call
+            piece = max(1, self.ro.max_running // self.ro.group_size) if self.has_val else 0  # held-out per call
             self.rollout = Rollout(model, self.tokenizer, self.ro, self.seed, self.device, self.longest,
                                    max(self.prompts_per_step, piece))
         else:

@@ -63,9 +63,10 @@ class RewardWorker:
         self._kill()
         if msg is not None and msg[0] == "error":  # a function that cannot be loaded: its own message
             raise InputError(msg[1])
+        why = "it ended; what it printed is above" if msg is ENDED else \
+            f"no answer in {max(START_SECONDS, self.timeout):g} s"
         raise InputError(f"reward functions: the worker process that runs them did not start (python -m "
-                         f"astrai.rl.reward_worker: " + ("it ended; what it printed is above)" if msg is ENDED else
-                                                         f"no answer in {max(START_SECONDS, self.timeout):g} s)"))
+                         f"astrai.rl.reward_worker: {why})")
 
     def _recv(self, seconds: float):
         """The next message; None when none came in time, ENDED when the worker closed its pipe."""

@@ -14,8 +14,9 @@ Engine on it. Each `generate(prompts, step)`, after `sync(model)`:
      completions of a prompt share its pages through the radix cache);
   3. returns, per prompt, its G completions (token ids including the stop token, text,
      finish_reason) and the call's counters (tokens, seconds, prefix-cache hits, KV pool size).
-The KV pool is sized once for the run: every running completion (at most max_running, or G x the
-prompts of a call) may hold a whole longest prompt plus max_tokens, so no request waits for pages.
+The KV pool is sized once for the run, for its running completions (at most max_running, or G x the
+prompts of a call): the longest prompt once per group that runs, and each completion's own pages (a
+mix of groups that needs more pages waits for them: the scheduler's business, never an error).
 With `sleep: true` the engine gives its KV pool and fused copies back after each rollout (the
 optimizer step has that memory) and takes them again at the next (astrai.infer.engine.Engine.sleep).
 The engine stops a completion at the tokenizer's EOS, the model's eos ids, or the chat template's
@@ -81,12 +82,15 @@ class Rollout:
             p.copy_(state[name])
 
     def engine_options(self, longest: int) -> EngineOptions:
-        o, ps = self.options, self.options.page_size
-        running = o.max_running if self.prompts_per_call is None else \
-            min(o.max_running, o.group_size * self.prompts_per_call)
+        o, ps, G = self.options, self.options.page_size, self.options.group_size
+        running = o.max_running if self.prompts_per_call is None else min(o.max_running, G * self.prompts_per_call)
         context = longest + o.max_tokens
+        # the prompts of the running completions (a group shares its prompt's full pages; groups of about
+        # running / G prompts are live at once), and each completion's own pages: its prompt's partial
+        # last page and its tokens
+        pages = min(running, -(-running // G) + 1) * pages_for(longest, ps) + running * pages_for(ps + o.max_tokens, ps)
         dtype = str(self.policy.lm_head.weight.dtype).replace("torch.", "")
-        return EngineOptions(page_size=ps, kv_cache_tokens=running * pages_for(context, ps) * ps + ps,
+        return EngineOptions(page_size=ps, kv_cache_tokens=max(pages, pages_for(context, ps)) * ps,
                              max_running=running, max_step_tokens=max(2048, context, running), prefix_cache=True,
                              device=str(self.device), dtype=dtype if dtype in DTYPES else "float32",
                              cuda_graphs=False)

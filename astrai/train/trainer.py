@@ -24,9 +24,9 @@ optimizer, scheduler and RNG at step boundaries only; the data order is a functi
 on CPU, tested). Every counter of the checkpoint is checked against that order first
 (astrai.train.resume_checks), and the hyperparameters then follow this run's options
 (resume.follow_options). SIGTERM/SIGINT set a flag; the step in progress finishes, a checkpoint is
-written, and `fit` returns with `state.stopped` set. A second one raises Aborted at once, wherever
-the run is (a reward call or a rollout that blocks included): nothing more is written, and the
-checkpoints on disk stay as they are (each is renamed into place whole). Hook order:
+written, and `fit` returns with `state.stopped` set. In one process a second one raises Aborted at
+once, wherever the run is (a reward call or a rollout that blocks included): nothing more is
+written, and the checkpoints on disk stay as they are (each is renamed into place whole). Hook order:
 astrai.train.callbacks.
 
 Non-finite training: before each optimizer step the step's loss (summed over ranks) and gradient
@@ -196,11 +196,13 @@ class Trainer:
 
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.stop_signal is not None:
+        # under torchrun a terminal's Ctrl-C reaches each rank twice (its own, and torchrun's SIGTERM): there
+        # the ranks stop together at a step boundary, as agreed in _optimizer_step
+        if self.stop_signal is not None and self.dist.world == 1:
             raise Aborted(f"{name} a second time: stopped at once (last checkpoint: step {self.state.saved_step})")
         self.stop_signal = signum
         # os.write: a print here could land inside another write to stderr (the progress bar's)
-        if self.dist.is_main:
+        if self.dist.world == 1:
             os.write(2, f"\nastrai train: {name}: stopping after this step, with a checkpoint; {name} again stops at "
                         f"once\n".encode())
 

@@ -1,6 +1,6 @@
-"""Online GRPO on a tiny chat checkpoint: the engine samples the trainer's current weights, rollouts are
-seeded, a group shares its prompt's pages, temperature 0 is `astrai generate`, and a killed run resumes
-with the same completions and rewards."""
+"""Online GRPO on a tiny chat checkpoint: training logs every completion and resumes after a kill with the
+same completions and rewards, held-out prompts are sampled and scored, advantages by hand, the overlong
+penalty, a failing reward stopping the run, and a second signal stopping it at once."""
 
 import json
 import os
@@ -18,8 +18,6 @@ from astrai.config.train import RolloutOptions
 from astrai.model.adapter_files import load_checkpoint
 from astrai.rl.rollout import Rollout
 from astrai.text.tokenizer import load_tokenizer
-
-from rollout_helpers import QUESTIONS, greedy_by_hand, prompt_ids
 
 
 def train(root, ckpt, out, max_steps, kill_at=None, extra="", rollout=""):

@@ -95,6 +95,13 @@ def test_options_are_checked():
         TrainOptions(output="o", strategy="grpo", rewards=[{"name": "numeric_match"}])
     assert not math.isnan(TrainOptions(output="o", strategy="grpo", rollout={"group_size": 4},
                                        reward={"function": "m:f"}).rollout.temperature)
+    with pytest.raises(ValueError, match="online, log-probs use rollout.temperature"):
+        TrainOptions(output="o", strategy="grpo", rollout={}, rewards=[{"name": "numeric_match"}], grpo_temperature=0.7)
+    with pytest.raises(ValueError, match="overlong_buffer 20 is more than max_tokens 16"):
+        TrainOptions(output="o", strategy="grpo", rollout={"max_tokens": 16, "overlong_buffer": 20},
+                     rewards=[{"name": "numeric_match"}])
+    opts = TrainOptions(output="o", strategy="grpo", rollout={}, rewards=[{"name": "numeric_match"}])
+    assert (opts.reward_timeout, opts.reward_error_share, opts.rollout.sleep) == (30.0, 0.5, False)
 
 
 def test_reward_files_are_read_next_to_the_config(tmp_path):

@@ -28,6 +28,7 @@ def test_the_engine_samples_the_trainers_current_weights(setup):
     for p, group in zip(prompts, first):
         assert group[0]["token_ids"] == group[1]["token_ids"] == greedy_by_hand(model, p, 8, stop)
     engine, builds = rollout.engine, rollout.engine.runner.fused.builds
+    where = [(f.qkv_t.data_ptr(), f.gate_up_t.data_ptr()) for f in engine.runner.fused.layers]
     with torch.no_grad():  # what an optimizer step does: the trainer's weights change in place
         model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)
         model.lm_head.weight.add_(0.2 * torch.randn_like(model.lm_head.weight))
@@ -35,6 +36,7 @@ def test_the_engine_samples_the_trainers_current_weights(setup):
     second, _ = rollout.generate(prompts, 0)
     # the same engine, its fused copies remade once from the synced weights
     assert rollout.engine is engine and rollout.engines_made == 1 and engine.runner.fused.builds == builds + 1
+    assert [(f.qkv_t.data_ptr(), f.gate_up_t.data_ptr()) for f in engine.runner.fused.layers] == where  # in place
     assert [g[0]["token_ids"] for g in second] != [g[0]["token_ids"] for g in first]
     for p, group in zip(prompts, second):
         assert group[0]["token_ids"] == greedy_by_hand(model, p, 8, stop)
