@@ -50,6 +50,19 @@ def test_set_errors_name_their_set_not_a_file_line(target, override, key):
     assert problem.path == f"--set {override}" and problem.line is None and key in problem.message
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("train.lr=fast", "stages.train.lr: "),
+    ("holdout=0.1", "'holdout' is an option of stage 'preprocess': preprocess.holdout"),
+])
+def test_recipe_set_errors_name_their_set_not_a_file_line(override, needle):
+    from astrai.recipe.command import load_recipe_spec
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe_spec(RECIPE, (override,))
+    (problem,) = e.value.problems
+    assert problem.path == f"--set {override}" and problem.line is None and needle in problem.message
+
+
 def test_every_set_example_in_help_runs():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "verb")

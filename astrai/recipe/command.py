@@ -39,15 +39,30 @@ def load_recipe_spec(path: str, overrides=(), kinds: Optional[dict] = None):
     data, marks = load_yaml(path)
     if isinstance(data, dict) and "stages" not in data and any(k in data for k in OLD_FORM_KEYS):
         raise old_form_error(path, data, marks)
+    applied: list[tuple[str, str]] = []  # (the key an override set, the override as written)
     if isinstance(data, dict) and overrides:
         names = list(data.get("stages") or {}) if isinstance(data.get("stages"), dict) else []
         overrides, pipeline_keys = split_overrides(overrides, names)
+        rewritten = stage_overrides(overrides, names)
         try:
-            apply_overrides(data, stage_overrides(overrides, names))
+            apply_overrides(data, rewritten)
         except ValueError as e:
             raise ConfigError(str(path), [Problem("--set", str(e))]) from None
+        applied = [(expr.split("=", 1)[0].strip(), shown) for expr, shown in zip(rewritten, overrides)]
         _to_preprocess_stages(data, pipeline_keys, path)
-    return parse_recipe(data, marks, str(path), kinds), kinds
+    try:
+        return parse_recipe(data, marks, str(path), kinds), kinds
+    except ConfigError as e:  # a problem under a key a --set gave is named by that --set, not a file line
+        raise ConfigError(e.file, [_named_by_set(p, applied) for p in e.problems]) from None
+
+
+def _named_by_set(p, applied):
+    from astrai.config import Problem
+
+    for key, shown in reversed(applied):  # the last override of a key is the one in effect
+        if p.path == key or p.path.startswith((key + ".", key + "[")):
+            return Problem(f"--set {shown}", f"{p.path}: {p.message}")
+    return p
 
 
 def _to_preprocess_stages(data: dict, pipeline_keys: list[str], path):

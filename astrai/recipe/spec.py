@@ -81,7 +81,8 @@ def parse_recipe(data: Any, marks: dict, file: str, kinds: Mapping[str, StageKin
     base_dir = Path(file).resolve().parent
     for key in data:
         if key not in TOP_KEYS:
-            problem((key,), _unknown("key", key, TOP_KEYS), key=True)
+            problem((key,), _unknown("key", key, TOP_KEYS) + _stage_option_hint(key, data.get("stages"), kinds),
+                    key=True)
     if data.get("version") != 1:
         problem(("version",), f"version must be 1 (got {data.get('version')!r})")
     name = data.get("name") or Path(file).stem
@@ -107,6 +108,15 @@ def parse_recipe(data: Any, marks: dict, file: str, kinds: Mapping[str, StageKin
         problems.sort(key=lambda p: (p.line or 0, p.column or 0))
         raise ConfigError(file, problems)
     return RecipeSpec(file, base_dir, str(name), run_dir, stages)
+
+
+def _stage_option_hint(key: Any, stages: Any, kinds) -> str:
+    """A top-level key that is an option of one of the stages (`--set format=...` for preprocess.format)."""
+    if not isinstance(stages, dict):
+        return ""
+    owners = [name for name, block in stages.items() if isinstance(block, dict)
+              and key in getattr(kinds.get(block.get("kind", name)), "options", BaseModel).model_fields]
+    return f" ('{key}' is an option of stage '{owners[0]}': {owners[0]}.{key})" if owners else ""
 
 
 STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")

@@ -74,7 +74,7 @@ def test_another_template_than_the_models_is_refused_before_any_work(tmp_path, m
     msg = str(e.value)
     assert "chat template chatml" in msg and f"tokenizer:{model_dir}" in msg and "You are Tiny" in msg
     assert "chat_template_mismatch: allow" in msg
-    assert not (tmp_path / "out" / "data").exists()  # no work: nothing written
+    assert not (tmp_path / "out").exists()  # refused before any work: not even the output directory
     # a tokenizer directory that is not a model's (no config.json) serves nobody: nothing to compare
     (model_dir / "config.json").unlink()
     assert (_run(tmp_path, model_dir, "chat_template=chatml") / "manifest.json").exists()

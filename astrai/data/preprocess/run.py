@@ -57,6 +57,7 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
         raise InputError(f"executor '{executor}': use local or ray")
     if workers is not None and workers < 1:
         raise InputError(f"--workers {workers}: give 1 or more worker processes (or leave it out: one per core)")
+    existed = Path(out).exists()
     try:
         lock = output_lock(Path(out))
         lock.__enter__()
@@ -66,6 +67,10 @@ def run_preprocess(pipeline: Pipeline, inputs: list[str], out: str, tokenizer: O
         raise InputError(f"output {out}: {e.strerror or e}; choose another -o") from None
     try:  # the lock goes with this process on any exit
         return _run_locked(pipeline, inputs, out, tokenizer, workers, base_dir, log, executor, ray_address, holdout)
+    except InputError:
+        if not existed and Path(out).is_dir() and not any(Path(out).iterdir()):
+            Path(out).rmdir()  # refused before any work (a tokenizer, a template): leave no trace
+        raise
     finally:
         lock.__exit__(None, None, None)
 
