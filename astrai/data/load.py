@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from astrai.data.shard_check import check_digest, check_shard, shard_checks, stat_stamp
 from astrai.data.write import positions
 from astrai.errors import InputError, read_text_regular
-from astrai.runtime import atomic_write_text, fresh_tmp
+from astrai.runtime import atomic_write_text, fresh_tmp, refuse_link
 from astrai.schema import IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_LENS
 
 
@@ -54,6 +54,7 @@ def _arrow_cache(out: Path, shard: str, record: dict) -> Path:
             return cache
     except (OSError, ValueError):
         pass
+    refuse_link(cache.parent, directory=True)  # the cache is never written through a planted link
     cache.parent.mkdir(parents=True, exist_ok=True)
     for old in cache.parent.glob(f"{Path(shard).stem}*"):  # caches of other versions of this shard
         if old not in (cache, stamp_file) and old.name.startswith((f"{Path(shard).stem}.", f"{Path(shard).stem}-")):

@@ -36,7 +36,7 @@ from typing import Optional
 
 from astrai.config import STAGE_OUTPUT as OUTPUT
 from astrai.runtime import (LinkRefused, atomic_write_text, claim_output, flock_holder, fsync_dir, is_ours,
-                            open_fd_nofollow, open_nofollow)
+                            open_fd_nofollow, open_nofollow, refuse_link)
 
 STATE = "stage.json"
 LOG = "log.txt"
@@ -175,6 +175,8 @@ class RunDir:
                 raise RunDirError(f"{p} is a link out of the run directory; astrai writes only inside {self.root}")
         if path.exists() and path.resolve().parent != self.root.resolve():
             raise RunDirError(f"{path} is a link out of the run directory; astrai writes only inside {self.root}")
+        for f in (STATE, LOG):  # opened in place (not renamed over): a planted link is refused before any write
+            refuse_link(path / f)
         return StageDir(path)
 
     @property

@@ -11,7 +11,8 @@ directory is refused in one line naming it, and nothing in it is touched. A trai
 never taken for a preprocess output or a recipe's run directory, nor those for it: each has its
 own marker. Then every entry astrai writes at a fixed name is checked: a symbolic link (or a
 FIFO, a device) planted at any of them is refused (astrai.runtime.LinkRefused, naming it), as is
-a step directory or final/ that holds a file astrai does not write (`foreign`).
+a step directory or final/ that holds a file astrai does not write (`foreign`), and a metrics.jsonl
+line that is not a record (astrai.train.summary.read_records names the file and the line).
 
 Deleting: a step directory or final/ is only ever removed or replaced when every file in it is one
 astrai writes there (`WRITTEN`, by name); a hidden temporary directory of ours (`.final.tmp`,
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from astrai.errors import InputError
 from astrai.runtime import claim_output, is_ours, refuse_link
+from astrai.train.summary import read_records
 
 TRAIN_MARKER = ".astrai-train"
 FILES = ("metrics.jsonl", "loss.png", "completions.jsonl", "val_completions.jsonl")
@@ -53,7 +55,7 @@ def foreign(directory: Path) -> list[str]:
     out = []
     for p in sorted(Path(directory).iterdir()):
         if p.is_symlink():
-            out.append(p.name)
+            out.append(f"{p.name} (a symbolic link)")
         elif p.is_dir() and p.name in SUBDIRS:
             out += [f"{p.name}/{name}" for name in foreign(p)]
         elif not (p.is_file() and WRITTEN.fullmatch(p.name)):
@@ -106,6 +108,7 @@ def check_entries(out: Path):
     every checkpoint and final/ holds only astrai's files (a resume may replace or prune them)."""
     for name in FILES:
         refuse_link(out / name)
+    read_records(out / "metrics.jsonl")  # a malformed line is one error naming it, before any step
     for name in (*DIRS, FINAL_TMP):
         refuse_link(out / name, directory=True)
     ckpts = out / CHECKPOINTS

@@ -27,6 +27,7 @@ saying what to do (`python -m astrai.train.legacy DIR` converts our old format).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -195,8 +196,13 @@ def refuse_pickles(path: Path):
 
 def read_state(path: Path) -> dict:
     saved = read_checkpoint_json(path / STATE)
-    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) and saved[k] >= 0 for k in _INTS):
-        raise CheckpointError(f"{path / STATE}: needs non-negative integers {', '.join(_INTS)}")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path / STATE}: not a JSON object")
+    for k in _INTS:
+        v = saved.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise CheckpointError(f"{path / STATE}: {k} is {v!r}, not a non-negative integer; the file was edited or "
+                                  f"damaged: delete {path} to resume from an earlier checkpoint")
     return saved
 
 
@@ -255,6 +261,11 @@ def load(path: Path, model, optimizer, scheduler, dist: Optional[Dist] = None, o
     optim_sd = read_optimizer(path, live, shapes, steps)
     load_full_state(model, optimizer, {k: v.to(current[k].dtype) for k, v in sd.items()}, optim_sd, strict=complete)
     read_scheduler(path, scheduler, steps)
+    for i, (base, g) in enumerate(zip(scheduler.base_lrs, optimizer.param_groups)):  # the two files agree
+        if "initial_lr" in g and not math.isclose(base, g["initial_lr"], rel_tol=1e-9):
+            raise CheckpointError(f"{path / 'scheduler.json'}: base_lrs[{i}] is {base!r}, but optimizer.json's "
+                                  f"param_groups[{i}].initial_lr is {g['initial_lr']!r}; the file was edited: delete "
+                                  f"{path} to resume from an earlier checkpoint")
     follow_options(optimizer, scheduler, fresh)
     if all((path / n).exists() for n in rng_files(d.rank)):
         read_rng(path, d.rank)

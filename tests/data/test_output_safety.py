@@ -196,3 +196,22 @@ run_tasks(work, list(range(6)), workers=2, setup=lambda: None, context=0)
     for p in left:  # do not leave them behind when the test fails
         os.kill(p, signal.SIGKILL)
     assert not left, "workers outlived their parent"
+
+
+@pytest.mark.parametrize("name", ["data", ".work", "cache"])
+def test_a_link_planted_in_our_output_is_refused_never_written_through(tmp_path, tiny_tokenizer, name):
+    from astrai.runtime import LinkRefused
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(chat_records(5))
+    out = tmp_path / "o"
+    run(pipeline(), [data], out, tiny_tokenizer)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if (out / name).exists():
+        import shutil
+        shutil.rmtree(out / name)
+    (out / name).symlink_to(outside)
+    with pytest.raises(LinkRefused) as e:
+        run(pipeline(max_seq_len=30), [data], out, tiny_tokenizer)  # another fingerprint: rewrites the output
+    assert e.value.filename == str(out / name) and list(outside.iterdir()) == []

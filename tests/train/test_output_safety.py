@@ -72,6 +72,18 @@ def test_a_users_directory_is_refused_before_any_write(data, tmp_path):
     assert _tree(out) == before  # nothing added, changed or deleted
 
 
+def test_a_malformed_metrics_line_is_refused_before_any_step(data, tmp_path):
+    out = tmp_path / "out"
+    run_train(_opts(data, out))
+    with open(out / "metrics.jsonl", "a") as fh:
+        fh.write("{oops\n")
+    before = _tree(out)
+    with pytest.raises(InputError) as e:
+        run_train(_opts(data, out, max_steps=3))
+    assert str(e.value).startswith(f"{out / 'metrics.jsonl'}:3: not a JSON record") and "\n" not in str(e.value)
+    assert _tree(out) == before  # no step trained, nothing appended
+
+
 def test_a_preprocess_output_is_not_a_train_output(data, tmp_path):
     copy = tmp_path / "data"
     shutil.copytree(data, copy)

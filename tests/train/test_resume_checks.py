@@ -132,7 +132,8 @@ def test_an_impossible_hyperparameter_is_refused(run, key, value, match):
     ("state.last_epoch", -50, "last_epoch is -50"),
     ("state.last_epoch", 3, "last_epoch is 3, but the checkpoint records 4 optimizer steps"),
     ("state._step_count", 1, "_step_count is 1"),
-    ("state.base_lrs", [math.nan, 0.01], "base_lrs[0] is nan")])
+    ("state.base_lrs", [math.nan, 0.01], "base_lrs[0] is nan"),
+    ("state.base_lrs", [1e30, 0.01], "base_lrs[0] is 1e+30, but optimizer.json's param_groups[0].initial_lr is 0.01")])
 def test_an_impossible_scheduler_state_is_refused(run, key, value, match):
     _edit_json(run / "checkpoints" / "step-00000004" / "scheduler.json", **{key: value})
     _refused(run, match, "scheduler.json")

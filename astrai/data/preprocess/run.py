@@ -35,7 +35,8 @@ from astrai.data.stats import dataset_stats
 from astrai.text.template import resolve_template
 from astrai.text.tokenizer import content_digest, load_tokenizer
 from astrai.runtime import (OUTPUT_MARKER, OutputBusy, Progress, atomic_write_text, claim_output, file_identity,
-                            is_done, is_ours, marker_info, output_lock, read_marker, remove_stale_tmp, run_tasks)
+                            is_done, is_ours, marker_info, output_lock, read_marker, refuse_link, remove_stale_tmp,
+                            run_tasks)
 
 FORMAT_VERSION = 1
 
@@ -246,6 +247,8 @@ def prepare_output_dir(outp: Path, fp: str, log: Callable[[str], None] = print):
             raise InputError(f"output {outp} exists, is not empty and is not an astrai output (no {OUTPUT_MARKER} "
                              f"marker); nothing in it was touched: choose another -o, or an empty directory")
         claim_output(outp, {"fingerprint": fp})
+    for name in (WORK, "data", "cache"):  # a link planted at one is refused, never written through
+        refuse_link(outp / name, directory=True)
     stale = not (work / "fingerprint").exists() or (work / "fingerprint").read_text() != fp
     if stale:  # another pipeline/input/tokenizer: the old output is invalid
         old = marker_info(outp).get("fingerprint")
