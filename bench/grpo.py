@@ -64,14 +64,15 @@ def consecutive(model, tok, prompts, group, max_tokens, calls):
 
     r = Rollout(model, tok, RolloutOptions(group_size=group, max_tokens=max_tokens, temperature=1.0), seed=0,
                 device="cpu")
-    seconds, tokens = [], []
+    seconds, cpu, tokens = [], [], []
     for step in range(calls):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         r.sync(model)  # a copy into the policy: the engine remakes its fused weights, as after an optimizer step
         _, stats = r.generate(prompts, step)
         seconds.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
         tokens.append(stats["rollout_tokens"])
-    return seconds, tokens
+    return seconds, cpu, tokens
 
 
 def theirs(hf, tok, prompts, group, max_tokens, stop_ids):
@@ -149,11 +150,12 @@ def main():
               f"({best_theirs[1]} tokens): {best_ours[0] / best_theirs[0]:.2f}x")
         del hf
     if a.calls:
-        seconds, tokens = consecutive(model, tok, prompts, a.group, a.max_tokens, a.calls)
+        seconds, cpu, tokens = consecutive(model, tok, prompts, a.group, a.max_tokens, a.calls)
         later = seconds[1:] or seconds
-        print(f"{a.calls} consecutive rollouts, one Rollout: {sum(tokens) / sum(seconds):.1f} tokens/s overall; "
-              f"per call {', '.join(f'{s:.2f}' for s in seconds)} s (first {seconds[0]:.2f} s, later mean "
-              f"{sum(later) / len(later):.2f} s; {sum(tokens[1:] or tokens) / sum(later):.1f} tokens/s after the first)")
+        print(f"{a.calls} consecutive rollouts, one Rollout: {sum(tokens) / sum(seconds):.1f} tokens/s overall "
+              f"({sum(tokens)} tokens; {sum(tokens) / sum(cpu):.1f} per CPU second of the process); per call "
+              f"{', '.join(f'{s:.2f}' for s in seconds)} s wall, {', '.join(f'{c:.2f}' for c in cpu)} s CPU (first "
+              f"{seconds[0]:.2f} s, later mean {sum(later) / len(later):.2f} s)")
     for m in step_split(a.checkpoint, a.prompts, a.group, a.max_tokens, a.steps, a.lora) if a.steps else []:
         total = m["seconds"]
         print(f"step {m['step']}: {total:.1f} s = rollout {m['rollout_seconds']:.1f} s "
