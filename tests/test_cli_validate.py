@@ -126,6 +126,14 @@ def test_a_recipe_is_validated_deep_and_inspected_before_any_stage_ran(tmp_path,
     assert main(["inspect", str(recipe), "-n", "1", "--format", "json"]) == 0
     tokens = [t for line in capsys.readouterr().out.splitlines() for t in json.loads(line).get("tokens", [])]
     assert "".join(t["text"] for t in tokens if t["trained"]) == "good fine<|im_end|>"
+    # the stage's one-line format key reads other data with the same pipeline
+    sharegpt = tmp_path / "sg.jsonl"
+    sharegpt.write_text(json.dumps({"conversations": [{"from": "human", "value": "hello"},
+                                                      {"from": "gpt", "value": "yes fine"}]}) + "\n")
+    assert main(["inspect", str(recipe), "-i", str(sharegpt), "--set", "preprocess.format=sharegpt",
+                 "-n", "1", "--format", "json"]) == 0
+    tokens = [t for line in capsys.readouterr().out.splitlines() for t in json.loads(line).get("tokens", [])]
+    assert "".join(t["text"] for t in tokens if t["trained"]) == "yes fine<|im_end|>"
     assert not (tmp_path / "runs").exists()
 
 
