@@ -34,7 +34,7 @@ from astrai.train.adapters import add_adapters, base_problem, reference, write_f
 from astrai.train.data import TrainData, compat_problems
 from astrai.train.distributed import all_sum, finish, full_model_state, setup, teardown
 from astrai.plot import curves, write_plot
-from astrai.train.output import FINAL_TMP, TRAIN_MARKER, TrainOutputError, claim, clear_tmp
+from astrai.train.output import FINAL_TMP, TRAIN_MARKER, claim, clear_tmp
 from astrai.train.report import check_reporters
 from astrai.train.resume import fsync_tree, replace_dir
 from astrai.train.summary import figures, read_records
@@ -100,7 +100,7 @@ def locked_output(out: Path, dist):
         try:
             lock = output_lock(out).__enter__()
             claim(out)
-        except (OutputBusy, NotADirectoryError, TrainOutputError) as e:
+        except (OutputBusy, NotADirectoryError, InputError) as e:  # not ours, a bad metrics.jsonl
             problem = str(e)
         except LinkRefused as e:
             problem = os_error_line(e)
