@@ -95,7 +95,7 @@ def theirs(hf, tok, prompts, group, max_tokens, stop_ids):
     return seconds, new
 
 
-def step_split(checkpoint, prompts, group, max_tokens, steps, lora):
+def step_split(checkpoint, prompts, group, max_tokens, steps, lora, sleep=False):
     out = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
     data = out / "data"
     subprocess.run([sys.executable, "-m", "astrai.cli", "preprocess", str(ROOT / "pipelines" / "grpo_prompts.yaml"),
@@ -108,7 +108,8 @@ def step_split(checkpoint, prompts, group, max_tokens, steps, lora):
     opts = TrainOptions(data=str(data), model=checkpoint, output=str(out / "run"), strategy="grpo",
                         max_steps=steps, lr=1e-4, grpo_updates=1, grpo_kl_coef=0.0, progress=False,
                         lora={} if lora else None,
-                        rollout=dict(group_size=group, max_tokens=max_tokens, prompts_per_step=prompts),
+                        rollout=dict(group_size=group, max_tokens=max_tokens, prompts_per_step=prompts,
+                                     **({"sleep": True} if sleep else {})),
                         rewards=[dict(name="exact_match", column="answer", extract="whole")])
     run_online_grpo(opts)
     return [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -125,6 +126,8 @@ def main():
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers.generate comparison")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps of the step split (0: skip)")
     ap.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True, help="the step split with LoRA")
+    ap.add_argument("--sleep", action="store_true", help="the step split with rollout.sleep (the engine's memory "
+                                                         "given back during the update)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -156,7 +159,7 @@ def main():
               f"({sum(tokens)} tokens; {sum(tokens) / sum(cpu):.1f} per CPU second of the process); per call "
               f"{', '.join(f'{s:.2f}' for s in seconds)} s wall, {', '.join(f'{c:.2f}' for c in cpu)} s CPU (first "
               f"{seconds[0]:.2f} s, later mean {sum(later) / len(later):.2f} s)")
-    for m in step_split(a.checkpoint, a.prompts, a.group, a.max_tokens, a.steps, a.lora) if a.steps else []:
+    for m in step_split(a.checkpoint, a.prompts, a.group, a.max_tokens, a.steps, a.lora, a.sleep) if a.steps else []:
         total = m["seconds"]
         print(f"step {m['step']}: {total:.1f} s = rollout {m['rollout_seconds']:.1f} s "
               f"({100 * m['rollout_seconds'] / total:.0f}%, {m['rollout_tokens_per_second']:.1f} tokens/s), scoring "
