@@ -32,15 +32,16 @@ _CONFIG = ("astrai.config.loading", "astrai.config.pipeline", "astrai.config.for
 
 TOKENIZER = StageKind(
     "tokenizer", TokenizerOptions, run_tokenizer_stage, produces="tokenizer", files=("inputs",),
-    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.data.holdout", "astrai.text", *_CONFIG,
-          "astrai.schema"), describe=_describe_tokenizer,
+    code=("astrai.recipe.tokenizer", "astrai.data.read", "astrai.data.lines", "astrai.data.streams",
+          "astrai.data.holdout", "astrai.text", *_CONFIG, "astrai.schema"), describe=_describe_tokenizer,
     extra=_tokenizer_extra,
     figures=("vocab_size", "records"))
 
 PREPROCESS = StageKind(
     "preprocess", PreprocessOptions, run_preprocess_stage, produces="data",
     refs={"tokenizer": ("tokenizer", "model")}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
-    code=("astrai.data", *_CONFIG, "astrai.schema", "astrai.text", "astrai.recipe.preprocess_stage"),
+    code=("astrai.data", *_CONFIG, "astrai.schema", "astrai.text", "astrai.recipe.preprocess_stage",
+          "astrai.recipe.template_check", "astrai.model.packaged"),
     describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
     figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"),
     stamped=("train", "val"))
@@ -50,7 +51,7 @@ PREPROCESS = StageKind(
 # rollouts) and its kernels, the data loader, the options' defaults, tokenizer and template code
 # (tests/recipe/test_runner.py checks every stage's list against what its code imports)
 _RUNTIME = ("astrai.infer", "astrai.kernels", "astrai.data", "astrai.config", "astrai.text", "astrai.schema",
-            "astrai.recipe.preprocess_stage")
+            "astrai.recipe.preprocess_stage", "astrai.recipe.template_check")
 
 
 def _train_kind() -> StageKind:
@@ -92,8 +93,8 @@ def _checkpoint_kind() -> StageKind:
         # what it reads and describes (config), converts (packaged) and how it locates a package; not the
         # whole of astrai.model: a change to the layers would rerun it and, through its output, preprocess
         code=("astrai.recipe.checkpoint_stage", "astrai.model.packaged", "astrai.model.config",
-              "astrai.model.hf_config", "astrai.text", "astrai.recipe.template_check", "astrai.config.pipeline", "astrai.config.formats", "astrai.config.loading",
-              "astrai.schema"),
+              "astrai.model.hf_config", "astrai.model.checkpoint_files", "astrai.text",
+              "astrai.recipe.template_check", *_CONFIG, "astrai.schema"),
         describe=describe_checkpoint,
         check=check_checkpoint, extra=checkpoint_extra, figures=("architecture", "layers", "vocab_size"))
 

@@ -211,9 +211,10 @@ def test_code_version_follows_the_source(tmp_path, monkeypatch):
 
 
 # code that never changes what a stage writes: errors and their wording, the run lock and process
-# plumbing, the user cache (values it holds are made by fingerprinted code), plots of the metrics, the bounded YAML reader, the command line, the recipe runner itself
+# plumbing, the user cache (values it holds are made by fingerprinted code), plots of the metrics, the bounded
+# YAML and JSON readers (they parse as yaml/json do, or refuse), the command line, the recipe runner itself
 NOT_RESULTS = ("astrai.errors", "astrai.plot", "astrai.runtime", "astrai.cache", "astrai.runtime_ray",
-               "astrai.yaml_bounded", "astrai.cli", "astrai.recipe.runner", "astrai.recipe.kinds", "astrai.recipe.fingerprint",
+               "astrai.yaml_bounded", "astrai.json_bounded", "astrai.cli", "astrai.recipe.runner", "astrai.recipe.kinds", "astrai.recipe.fingerprint",
                "astrai.recipe.rundir", "astrai.recipe.table", "astrai.recipe.spec")
 
 

@@ -200,7 +200,9 @@ def test_a_typo_in_a_train_stage_that_validates_on_its_data_stage_is_the_only_pr
     with pytest.raises(ConfigError) as e:
         load_recipe_spec(str(recipe), ("train.return_fred_memory=true",))
     [p] = e.value.problems
-    assert p.path == "stages.train.return_fred_memory" and "did you mean 'return_freed_memory'" in p.message
+    # the problem is named by the --set that caused it; the message keeps the stage key it landed on
+    assert p.path == "--set train.return_fred_memory=true"
+    assert p.message.startswith("stages.train.return_fred_memory:") and "did you mean 'return_freed_memory'" in p.message
 
 
 @pytest.mark.parametrize("override, key, message", [
@@ -220,7 +222,7 @@ def test_a_train_stage_gets_every_check_astrai_train_makes(override, key, messag
     with pytest.raises(ConfigError) as e:
         load_recipe_spec(str(recipe), (override,))
     [p] = e.value.problems
-    assert p.path == f"stages.train.{key}" and message in p.message, p
+    assert p.path == f"--set {override}" and p.message.startswith(f"stages.train.{key}:") and message in p.message, p
 
 
 def test_train_figures_show_sampled_held_out_rewards_only_online(tmp_path):
