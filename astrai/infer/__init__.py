@@ -9,7 +9,9 @@ The block diagram, one file per box (each file's docstring states what it guaran
         allocator.py   pages with reference counts (free list, evictable count)
         radix.py       exact, page-aligned prefix tree over pages, LRU leaf eviction
         kv_storage.py  K/V tensors per layer [slots, kv_heads, head_dim]; request-to-token table
-      runner.py      one Batch -> one forward of astrai.model.CausalLM through PagedContext
+      runner.py      one Batch -> one forward through PagedContext -> logits of the sampling rows
+        fused.py       the engine's one forward, every family, on weights packed at load (packed.py);
+                       compiled.py (CPU: torch.compile) and cuda_graph.py (GPU) run its decode step
         backend.py     the attention backend contract (+ selection); backends/torch_native.py
       sampling.py    penalties, temperature, top-k/p, min-p, seeded draws, logprobs
       detokenize.py  incremental text, stop strings

@@ -1,46 +1,63 @@
 """The decode step through torch.compile (CPU): one compiled layer function shared by every layer.
 
-`CompiledDecode(fused, k_cache, v_cache)` runs a decode step (one new token per request) of the
-fused model (astrai.infer.fused) with each layer a call of one compiled function whose weights,
-caches and step tensors are its inputs: the same graph serves all layers, so the model is compiled
-once, not once per layer. Inductor fuses each layer's elementwise work into a few C++ loops around
-the matmuls: rms_norm, RoPE, the K/V write into the paged cache (in place), the gather of each
-request's K/V through its slots, the attention scores, softmax and weighted sum (as reductions over
-the gathered rows, never a copy of the K/V), the SwiGLU product and the residual adds.
+`CompiledDecode(fused, backend, context, scratch_page)` runs a decode step (one new token per
+request) of the engine's forward (astrai.infer.fused, any family) with each layer a call of one
+compiled function whose weights, caches and step tensors are its inputs: the same graph serves all
+layers, so the model is compiled once, not once per layer. Inductor fuses each layer's elementwise
+work into a few C++ loops around the matmuls: the norms (Gemma's sandwich norms and q/k norms
+included), RoPE, the K/V write into the paged cache (in place), the gather of each request's K/V
+through its slots, the attention scores, softmax and weighted sum (as reductions over the gathered
+rows, never a copy of the K/V), the gated activation and the residual adds. A layer's sliding
+window and RoPE are inputs too: a windowed layer gets the slots of each request's last `window`
+positions, and its own cos/sin tables (Gemma 3's local layers). A sparse layer (Mixtral,
+Qwen3-MoE) compiles up to its MoE input; its experts run eagerly (astrai.infer.fused.experts_forward:
+how many tokens each expert gets is known only at run time).
 
 Shapes are dynamic in the batch size and the K/V length, so one compile serves every step with two
 or more requests and any context length (a batch of one has its own graph: torch specialises size
 1). Requests of a step are padded to the longest K/V, the padding masked by -inf; prefill steps
-keep the eager fused forward (compiling ragged prefill does not pay: its time is in the matmuls).
+keep the eager forward (compiling ragged prefill does not pay: its time is in the matmuls).
 
-When: `warm_up()` runs both graphs on dummy inputs; the engine calls it at start when
-`EngineOptions.compile` is set, so no request waits for a compile. It costs tens of seconds on a
-2-core CPU the first time; Inductor's on-disk cache makes a restart with the same model shapes
-much faster (see bench/RESULTS.md for the figures).
+When: `warm_up()` runs both graphs on dummy inputs writing only the scratch page (the K/V storage's
+page past the pool's, never handed out); the engine calls it at start when `EngineOptions.compile`
+is set, so no request waits for a compile. It costs tens of seconds on a 2-core CPU the first time;
+Inductor's on-disk cache makes a restart with the same model shapes much faster (see
+bench/RESULTS.md for the figures).
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
-import torch.nn.functional as F
 
-from astrai.infer.fused import FusedModel, rms_norm
+from astrai.infer.backend import AttentionMeta
+from astrai.infer.backends.torch_native import decode_kv_slots
+from astrai.infer.cache import pages_for
+from astrai.infer.fused import FusedModel, experts_forward, rms_norm
+from astrai.model.layers import activation
 
 
-def decode_layer_fn(hq: int, hkv: int, d: int, eps: float):
-    """The decode layer as a pure function of tensors (what torch.compile traces)."""
+def decode_layer_fn(hq: int, hkv: int, d: int, eps: float, offset: bool, act: str, scale):
+    """The decode layer as a pure function of tensors (what torch.compile traces). A None weight is a
+    part the family lacks; gu_t None: a sparse layer, which returns (x, its MoE input)."""
     group = hq // hkv
-    scale = d ** -0.5
+    scale = d ** -0.5 if scale is None else scale
+    act_fn = activation(act)
 
-    def layer(x, ln1, qkv_t, qkv_b, o_t, ln2, gu_t, down_t, cos, sin, k_cache, v_cache, write_slots, kv_slots,
-              kv_bias):
+    def norm(x, w):
+        return rms_norm(x, w, eps, offset)
+
+    def layer(x, attn_norm, qkv_t, qkv_b, qk_norm, o_t, o_b, attn_out_norm, ffn_norm, gu_t, gu_b, down_t, down_b,
+              ffn_out_norm, cos, sin, k_cache, v_cache, write_slots, kv_slots, kv_bias):
         b = x.shape[0]
-        h = F.rms_norm(x, x.shape[-1:], ln1, eps)
-        qkv = h @ qkv_t
+        qkv = norm(x, attn_norm) @ qkv_t
         if qkv_b is not None:
             qkv = qkv + qkv_b
         qkv = qkv.view(b, hq + 2 * hkv, d)
         qk = qkv[:, :hq + hkv]
+        if qk_norm is not None:
+            qk = norm(qk, qk_norm)
         qk = qk * cos + qk.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2) * sin
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
         k_cache.index_copy_(0, write_slots, k)
@@ -49,48 +66,67 @@ def decode_layer_fn(hq: int, hkv: int, d: int, eps: float):
         values = v_cache[kv_slots]
         scores = (q.reshape(b, 1, hkv, group, d) * keys[:, :, :, None, :]).sum(-1) * scale  # [B, L, Hkv, G]
         p = torch.softmax(scores + kv_bias[:, :, None, None], dim=1)
-        o = (p[..., None] * values[:, :, :, None, :]).sum(1).reshape(b, hq * d)
-        x = x + o @ o_t
-        h = F.rms_norm(x, x.shape[-1:], ln2, eps)
+        a = (p[..., None] * values[:, :, :, None, :]).sum(1).reshape(b, hq * d) @ o_t
+        if o_b is not None:
+            a = a + o_b
+        x = x + (a if attn_out_norm is None else norm(a, attn_out_norm))
+        h = norm(x, ffn_norm)
+        if gu_t is None:
+            return x, h
         gu = h @ gu_t
+        if gu_b is not None:
+            gu = gu + gu_b
         inter = gu.shape[-1] // 2
-        return x + (F.silu(gu[:, :inter]) * gu[:, inter:]) @ down_t
+        y = (act_fn(gu[:, :inter]) * gu[:, inter:]) @ down_t
+        if down_b is not None:
+            y = y + down_b
+        return x + (y if ffn_out_norm is None else norm(y, ffn_out_norm))
 
-    return layer
+    # a code object of its own: dynamo keeps its graphs per code object, up to recompile_limit (8) of them,
+    # and every model's layer function would otherwise be the one code object above (engines of several
+    # models in one process, or one after another, would exhaust the limit and fail to compile)
+    return types.FunctionType(layer.__code__.replace(), layer.__globals__, layer.__name__, layer.__defaults__,
+                              layer.__closure__)
 
 
 class CompiledDecode:
-    def __init__(self, fused: FusedModel, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
-        self.fused, self.k_cache, self.v_cache = fused, k_cache, v_cache
-        fn = decode_layer_fn(fused.hq, fused.hkv, fused.d, fused.eps)
+    def __init__(self, fused: FusedModel, backend, context, scratch_page: int, page_size: int):
+        """`context(backend, meta, write_slots, decode=True)` makes a step's attention context (the
+        runner's PagedContext: its meta, write slots and per-RoPE tables are what this reads)."""
+        self.fused, self.backend, self._ctx_cls = fused, backend, context
+        self.k_cache, self.v_cache = backend.k_cache, backend.v_cache
+        self.scratch_page, self.page_size = scratch_page, page_size
+        fn = decode_layer_fn(fused.hq, fused.hkv, fused.d, fused.eps, fused.offset, fused.act_name, fused.scale)
         self.layer = torch.compile(fn, dynamic=True, fullgraph=True)
 
-    def __call__(self, input_ids: torch.Tensor, write_slots: torch.Tensor, kv_slots: torch.Tensor,
-                 kv_bias: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """hidden [B, H] after the final norm. kv_slots [B, L]: the slots of each request's K/V
-        (the new token's included), kv_bias [B, L]: 0 where valid, -inf on padding."""
-        model = self.fused.model
-        x = model.model.embed_tokens(input_ids)
-        cos, sin = tables
-        for i, w in enumerate(self.fused.layers):
-            x = self.layer(x, w.ln1, w.qkv_t, w.qkv_bias, w.o_t, w.ln2, w.gate_up_t, w.down_t, cos, sin,
-                           self.k_cache[i], self.v_cache[i], write_slots, kv_slots, kv_bias)
-        return rms_norm(x, model.model.norm.weight, self.fused.eps)
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """hidden [B, H] after the final norm for a decode step (ctx: its PagedContext)."""
+        f = self.fused
+        x = f.embed(input_ids)
+        kv = {}  # window -> (slots [B, L], bias [B, L]: 0 where valid, -inf on padding)
+        for i, w in enumerate(f.layers):
+            if w.window not in kv:
+                slots, valid = decode_kv_slots(ctx.meta, w.window)
+                kv[w.window] = (slots, torch.zeros(valid.shape, dtype=x.dtype).masked_fill_(~valid, float("-inf")))
+            cos, sin = ctx.rope_tables(position_ids, w.rope)
+            out = self.layer(x, w.attn_norm, w.qkv_t, w.qkv_b, w.qk_norm, w.o_t, w.o_b, w.attn_out_norm, w.ffn_norm,
+                             w.gate_up_t, w.gate_up_b, w.down_t, w.down_b, w.ffn_out_norm, cos, sin,
+                             self.k_cache[i], self.v_cache[i], ctx.slots, *kv[w.window])
+            if w.experts is None:
+                x = out
+                continue
+            x, h = out
+            y = experts_forward(h, w.experts, f.act)
+            x = x + (y if w.ffn_out_norm is None else f.norm(y, w.ffn_out_norm))
+        return f.norm(x, f.packed.norm)
 
     @torch.inference_mode()
-    def warm_up(self, scratch_slot: int = 0) -> None:
-        """Compile both graphs (a batch of one and of several) on dummy inputs writing one scratch slot
-        whose K/V is restored afterwards, so the cache is left as it was."""
-        from astrai.infer.fused import rope_tables
-
-        dev = self.k_cache[0].device
-        saved = [(k[scratch_slot].clone(), v[scratch_slot].clone()) for k, v in zip(self.k_cache, self.v_cache)]
+    def warm_up(self) -> None:
+        """Compile the graphs (a batch of one and of several, dense and sparse layers) on dummy steps
+        whose K/V reads and writes stay in the scratch page."""
+        ps, dev = self.page_size, self.k_cache[0].device
+        slot = self.scratch_page * ps
         for b in (1, 2):
-            ids = torch.zeros(b, dtype=torch.long, device=dev)
-            slots = torch.full((b,), scratch_slot, dtype=torch.long, device=dev)
-            kv = torch.full((b, 3), scratch_slot, dtype=torch.long, device=dev)
-            bias = torch.zeros(b, 3, dtype=self.k_cache[0].dtype, device=dev)
-            self(ids, slots, kv, bias, rope_tables(torch.zeros(b, dtype=torch.long, device=dev), self.fused.model.rope,
-                                                   self.k_cache[0].dtype))
-        for (k, v), (sk, sv) in zip(zip(self.k_cache, self.v_cache), saved):
-            k[scratch_slot], v[scratch_slot] = sk, sv
+            meta = AttentionMeta.build([1] * b, [3] * b, [[self.scratch_page] * pages_for(3, ps)] * b, ps, device=dev)
+            ctx = self._ctx_cls(self.backend, meta, torch.full((b,), slot, dtype=torch.long, device=dev), True)
+            self(torch.zeros(b, dtype=torch.long, device=dev), torch.full((b,), 2, dtype=torch.long, device=dev), ctx)

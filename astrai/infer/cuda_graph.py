@@ -7,7 +7,11 @@ replays the smallest bucket >= B after writing its inputs into the buffers' firs
 rows are padding: token 0 at position 0, writing its K/V into a scratch page the pool never hands
 out (the engine's K/V storage has one page more than the pool) and attending to that one slot.
 
-What is fixed at capture and must stay valid: the fused weights' tensors (a rebuild after a weight
+The graphs replay the engine's one forward (astrai.infer.fused), every family; a sparse layer's
+experts run in its `static` form (each token's chosen experts gathered by index: no shape that
+depends on the routing), since a captured graph cannot read per-expert token counts on the host.
+
+What is fixed at capture and must stay valid: the packed weights' tensors (a rebuild after a weight
 change makes new ones, so the graphs are dropped and captured again on the next step), the K/V
 caches, the RoPE table, and the attention's split plan, which is made for the longest context the
 pool allows (`max_context`) so every step fits it; splits past a request's length exit at once.
@@ -99,7 +103,7 @@ class GraphDecode:
                              self.page_size)
         meta.scratch["max_kv_len"] = self.max_context  # the split plan for the longest context
         ctx = self._ctx_cls(self.backend, meta, d["write_slots"][:b], decode=True)
-        return self.fused(d["ids"][:b], d["positions"][:b], ctx)
+        return self.fused(d["ids"][:b], d["positions"][:b], ctx, static=True)
 
     def capture(self, b: int) -> None:
         stream = torch.cuda.Stream(self.device)

@@ -1,240 +1,177 @@
-"""The engine's forward on fused projection weights: q/k/v in one matmul, gate/up in one.
+"""The engine's one forward, for every family, on weights packed at load (astrai.infer.packed).
 
-`FusedModel(model)` keeps, per layer, one weight for q/k/v (and their biases, when the model has
-them), one for gate/up and a copy of o, built from the model's own separate nn.Linear modules,
-which stay what training, LoRA and checkpoints use. These are stored input-major ([in, out],
-contiguous; x @ W rather than nn.Linear's x @ W^T on [out, in]), the layout MKL's matrix-vector
-product streams fastest at one or two tokens per step, except down, which stays the model's own
-weight (its transposed view is the faster one). From 4 to 32 rows (OWN_ROWS: a batch of decoding
-requests, a short chunk) the model's own [out, in] weights are the faster layout, so those steps use
-them, one matmul per projection; from 32 rows up the layouts are level. The layouts were chosen
-with bench/cpu_ops.py --decode-weights (figures in bench/RESULTS.md).
-`forward(ids, positions, ctx)` computes what
-`CausalLM.forward` computes (same operations in the same order, so the same numbers up to the
-matmul's own blocking), with fewer and larger operations:
+`FusedModel(model)` computes what `CausalLM.forward` computes (the same operations in the same
+order, so the same numbers up to the matmuls' own blocking) with fewer and larger operations, for
+every family the model package reads (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral,
+Qwen3-MoE). Prefill, decode, the compiled decode (astrai.infer.compiled) and the CUDA graphs
+(astrai.infer.cuda_graph) all run it; the model's own forward is left to training.
 
-    per layer: rms_norm -> qkv matmul -> RoPE in place on the q and k parts -> attention (the
-    context: K/V write, decode or ragged prefill) -> o matmul + residual -> rms_norm -> gate/up
-    matmul -> silu * up -> down matmul + residual
+    embed (x sqrt(hidden), rounded: Gemma)
+    per layer: norm -> q/k/v matmul (+ biases) -> q/k norms (Qwen3, Gemma 3) -> RoPE in place with
+    the layer's tables -> attention (the context: K/V write, decode or ragged prefill, the layer's
+    sliding window and softmax scale) -> o matmul + residual (Gemma: the output normalised first)
+    -> norm -> gate/up matmul -> act(gate) * up -> down matmul + residual (Gemma: normalised first);
+    a sparse layer routes instead (`experts_forward`)
+    final norm; logits = head matmul, soft-capped when the config says so (Gemma)
 
-RoPE uses cos/sin gathered once per step (`ctx.rope_tables`), shared by every layer, as
-x * cos + swap_halves(x) * sin_signed, where sin_signed is sin with its first half negated: the
-same products and sum as Hugging Face's x * cos + rotate_half(x) * sin (a negation is exact).
+RoPE uses cos/sin gathered once per step per distinct RoPE (`ctx.rope_tables`: Gemma 3's local
+layers have their own), shared by the layers that use it, as x * cos + swap_halves(x) * sin_signed,
+where sin_signed is sin with its first half negated: the same products and sum as Hugging Face's
+x * cos + rotate_half(x) * sin (a negation is exact).
 
-Weights change in place (an optimizer step, `load_state_dict`) or are replaced (`param.data = ...`):
-`WeightWatch` sees either (each parameter's data pointer and version counter), and the runner
-calls `rebuild()` before the next step (astrai.infer.runner). The copies cost the layers' projection
-weights but down once more in memory (319 MB for SmolLM2-135M in float32).
-
-`unsupported(model)` says why a model must take the reference path (the model's own forward):
-a mixture of experts, a projection that is not a plain nn.Linear (LoRA-wrapped), or a config field
-this forward does not implement set to a non-default value (a model family added later falls back
-until this forward learns it, rather than computing something else).
+Experts: the router's softmax in float32 and its top k, renormalised or not, as the model routes
+(astrai.model.layers.route); then one matmul per expert over the tokens routed to it, its output
+times the routing weight added into the token's row in expert order, as the model adds them. Inside
+a CUDA graph (`static=True`) the token count per expert cannot be read on the host, so each chosen
+(token, expert) pair multiplies by its expert's weights gathered by index instead (the same sums).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from astrai.model.config import ModelConfig
-from astrai.model.transformer import at_least_float32
-
-# ModelConfig fields whose every value this forward implements (the rest must keep their defaults)
-IMPLEMENTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
-               "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
-               "initializer_range", "extra", "router_aux_loss_coef", "num_experts_per_tok", "num_local_experts"}
-# steps of this many rows run on the model's own [out, in] weights (FusedLayer.*_own), the others on the
-# input-major fused copies (the faster layout at 1-2 rows; level from 32 up)
-OWN_ROWS = (4, 32)
-_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj"}
-_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-
-
-def unsupported(model) -> Optional[str]:
-    """Why the fused forward cannot compute this model, or None when it can."""
-    c: ModelConfig = model.config
-    if c.is_moe:
-        return "a mixture of experts"
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
-    for f in dataclasses.fields(c):
-        if f.name not in IMPLEMENTED and getattr(c, f.name) != defaults.get(f.name, object()):
-            return f"config field {f.name}={getattr(c, f.name)!r}"
-    for i, layer in enumerate(model.model.layers):
-        for mod, allowed in ((layer, _LAYER_CHILDREN), (layer.self_attn, _ATTN_CHILDREN), (layer.mlp, _MLP_CHILDREN)):
-            extra = {n for n, _ in mod.named_children()} - allowed
-            if extra:
-                return f"layer {i}: unknown submodules {sorted(extra)}"
-        for name in _ATTN_CHILDREN | _MLP_CHILDREN:
-            owner = layer.self_attn if name in _ATTN_CHILDREN else layer.mlp
-            m = getattr(owner, name)
-            if type(m) is not nn.Linear:
-                return f"layer {i}: {name} is a {type(m).__name__}, not a plain nn.Linear"
-    return None
-
-
-@dataclass
-class FusedLayer:
-    """One layer's weights for the fused forward (see the module docstring for the layouts)."""
-    ln1: torch.Tensor
-    qkv_t: torch.Tensor  # [H, (Hq + 2 Hkv) * D]
-    qkv_bias: Optional[torch.Tensor]
-    o_t: torch.Tensor  # [Hq * D, H]
-    ln2: torch.Tensor
-    gate_up_t: torch.Tensor  # [H, 2 I]
-    down_t: torch.Tensor  # [I, H]: a transposed view of the model's [H, I] weight, no copy
-    # the model's own [out, in] weights (no copies), for steps of OWN_ROWS rows
-    qkv_own: tuple  # ((weight, bias or None) of q, k and v)
-    o_own: torch.Tensor
-    gate_own: torch.Tensor
-    up_own: torch.Tensor
-
-
-def _input_major(*linears: nn.Linear, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[in, sum of out] contiguous: the linears' weights side by side, each transposed; written into
-    `into` when it has that shape, dtype and device (no new memory)."""
-    parts = [m.weight.detach().t() for m in linears]
-    w = parts[0]
-    shape = (w.shape[0], sum(p.shape[1] for p in parts))
-    if into is not None and into.shape == shape and into.dtype == w.dtype and into.device == w.device:
-        with torch.inference_mode():  # `into` may have been made under it (a first step run there)
-            return torch.cat(parts, dim=1, out=into)
-    return torch.cat(parts, dim=1).contiguous()
-
-
-def _version(p: torch.Tensor) -> int:
-    try:
-        return p._version
-    except RuntimeError:  # a tensor made under inference_mode keeps no version counter
-        return -1
-
-
-def _cat_bias(*linears: nn.Linear) -> Optional[torch.Tensor]:
-    if all(m.bias is None for m in linears):
-        return None
-    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-
-
-class WeightWatch:
-    """Tells whether any parameter of a module changed since the last look: changed in place (its
-    version counter moved: an optimizer step, load_state_dict, copy_) or replaced (a new tensor or
-    Parameter object under the same name: its data pointer moved). Costs one read of each
-    parameter's pointer and counter per look."""
-
-    def __init__(self, module: nn.Module):
-        seen, self._where = set(), []
-        for m in module.modules():
-            for name, p in m._parameters.items():
-                if p is not None and id(p) not in seen:  # a tied weight once
-                    seen.add(id(p))
-                    self._where.append((m._parameters, name))
-        self._key = self._now()
-
-    def _now(self) -> list:
-        return [(params[name].data_ptr(), _version(params[name])) for params, name in self._where]
-
-    def forget(self) -> None:
-        """The next look reports a change (what was built from the weights has been dropped)."""
-        self._key = None
-
-    def changed(self) -> bool:
-        key = self._now()
-        if key == self._key:
-            return False
-        self._key = key
-        return True
+from astrai.infer.packed import OWN_ROWS, Experts, Layer, pack
+from astrai.model.layers import activation, at_least_float32, route
 
 
 class FusedModel:
     def __init__(self, model):
-        why = unsupported(model)
-        if why is not None:
-            raise ValueError(f"the fused forward cannot compute this model: {why}")
         self.model = model
         c = model.config
         self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.eps = c.rms_norm_eps
-        self.layers: list[FusedLayer] = []
-        self.builds = 0  # how many times the fused copies were made (tests watch the rebuilds)
+        self.offset = c.traits.gemma  # Gemma's (1 + w) norms, multiplied in float32
+        self.scale = c.softmax_scale
+        self.act_name = c.hidden_act
+        self.act = activation(c.hidden_act)
+        self.builds = 0  # how many times the weights were packed (tests watch the rebuilds)
         self.own_rows = OWN_ROWS
         self.rebuild()
 
-    @torch.no_grad()
     def rebuild(self) -> None:
-        """(Re)make the fused copies from the model's current weights: into the copies already there
-        when they fit (a weight sync after each optimizer step of online RL is then a copy, not new
-        memory to allocate and fault in), else new ones."""
-        old, self.layers = self.layers, []
-        for i, layer in enumerate(self.model.model.layers):
-            a, m = layer.self_attn, layer.mlp
-            prev = old[i] if i < len(old) else None
-            self.layers.append(FusedLayer(
-                ln1=layer.input_layernorm.weight.detach(),
-                qkv_t=_input_major(a.q_proj, a.k_proj, a.v_proj, into=prev.qkv_t if prev else None),
-                qkv_bias=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                o_t=_input_major(a.o_proj, into=prev.o_t if prev else None),
-                ln2=layer.post_attention_layernorm.weight.detach(),
-                gate_up_t=_input_major(m.gate_proj, m.up_proj, into=prev.gate_up_t if prev else None),
-                down_t=m.down_proj.weight.detach().t(),
-                qkv_own=tuple((p.weight.detach(), None if p.bias is None else p.bias.detach())
-                              for p in (a.q_proj, a.k_proj, a.v_proj)),
-                o_own=a.o_proj.weight.detach(), gate_own=m.gate_proj.weight.detach(),
-                up_own=m.up_proj.weight.detach()))
+        """(Re)pack the weights from the model's current ones, into the copies already there."""
+        self.packed = pack(self.model, into=getattr(self, "packed", None))
+        self.layers: list[Layer] = self.packed.layers
         self.builds += 1
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
-        """hidden [T, H] after the final norm, as CausalLM.forward returns it."""
-        model = self.model
-        x = model.model.embed_tokens(input_ids)
-        tables = ctx.rope_tables(position_ids, model.rope)
+    def release(self) -> None:
+        """Drop the packed copies (the engine sleeps); `rebuild` makes them again."""
+        self.packed, self.layers = None, []
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps, self.offset)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(input_ids, self.packed.embed)
+        scale = self.packed.embed_scale
+        return x if scale is None else x * scale
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx, static: bool = False) -> torch.Tensor:
+        """hidden [T, H] after the final norm, as CausalLM.forward returns it. `static`: no operation
+        whose shapes depend on values (CUDA graph capture)."""
+        x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, position_ids, tables, ctx)
-        return rms_norm(x, model.model.norm.weight, self.eps)
+            x = self._layer(i, layer, x, position_ids, ctx, static)
+        return self.norm(x, self.packed.norm)
 
     __call__ = forward
 
-    def _layer(self, i: int, w: FusedLayer, x, position_ids, tables, ctx):
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        p = self.packed
+        return self.model.cap_logits(hidden @ p.head_t if p.head_t is not None else F.linear(hidden, p.head))
+
+    def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         own = self.own_rows[0] <= t <= self.own_rows[1]  # the model's own weights, one matmul per projection
-        h = rms_norm(x, w.ln1, self.eps)
+        h = self.norm(x, w.attn_norm)
         if own:
-            qkv = torch.cat([F.linear(h, weight, bias) for weight, bias in w.qkv_own], 1)
+            qkv = torch.cat([F.linear(h, *w.own[n]) for n in ("q", "k", "v")], 1)
         else:
-            qkv = h @ w.qkv_t if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv_t)
+            qkv = h @ w.qkv_t if w.qkv_b is None else torch.addmm(w.qkv_b, h, w.qkv_t)
         qkv = qkv.view(t, hq + 2 * hkv, d)
+        qk = qkv[:, :hq + hkv]
+        if w.qk_norm is not None:
+            qk = self.norm(qk, w.qk_norm)
+        tables = ctx.rope_tables(position_ids, w.rope)
         if tables is not None:
-            rope_in_place(qkv[:, :hq + hkv], *tables)
-            q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+            rope_in_place(qk, *tables)
+            q, k = qk[:, :hq], qk[:, hq:]
         else:  # the backend applies RoPE itself (a fused kernel)
-            q, k = ctx.rotary(qkv[:, :hq], qkv[:, hq:hq + hkv], position_ids, self.model.rope)
-        o = ctx.attend(i, q, k, qkv[:, hq + hkv:])
-        x = torch.addmm(x, o.reshape(t, hq * d), w.o_own.t() if own else w.o_t)
-        h = rms_norm(x, w.ln2, self.eps)
+            q, k = ctx.rotary(qk[:, :hq], qk[:, hq:], position_ids, w.rope)
+        o = ctx.attend(i, q, k, qkv[:, hq + hkv:], window=w.window, scale=self.scale).reshape(t, hq * d)
+        x = self._residual(x, o, w.own["o"][0].t() if own else w.o_t, w.o_b, w.attn_out_norm)
+        h = self.norm(x, w.ffn_norm)
+        if w.experts is not None:
+            y = experts_forward(h, w.experts, self.act, static)
+            return x + (y if w.ffn_out_norm is None else self.norm(y, w.ffn_out_norm))
         if own:
-            act = F.silu(F.linear(h, w.gate_own)).mul_(F.linear(h, w.up_own))
+            act = self.act(F.linear(h, *w.own["gate"])).mul_(F.linear(h, *w.own["up"]))
         else:
-            gu = h @ w.gate_up_t
+            gu = h @ w.gate_up_t if w.gate_up_b is None else torch.addmm(w.gate_up_b, h, w.gate_up_t)
             inter = gu.shape[-1] // 2
-            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-        return torch.addmm(x, act, w.down_t)
+            act = self.act(gu[:, :inter]).mul_(gu[:, inter:])
+        return self._residual(x, act, w.down_t, w.down_b, w.ffn_out_norm)
+
+    def _residual(self, x, a, weight_t, bias, out_norm):
+        """x + (a @ weight_t + bias), the branch normalised first where the family does (Gemma)."""
+        if out_norm is None and bias is None:
+            return torch.addmm(x, a, weight_t)
+        y = a @ weight_t if bias is None else torch.addmm(bias, a, weight_t)
+        return x + (y if out_norm is None else self.norm(y, out_norm))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's RMSNorm. In float32 torch's rms_norm runs the same operations in C++ (bit-identical,
-    fewer Python calls); in other dtypes it rounds once where Hugging Face rounds twice, so the
-    model's formula is kept there."""
+def experts_forward(x: torch.Tensor, e: Experts, act, static: bool = False) -> torch.Tensor:
+    """A sparse layer's output [T, H] for its normalised input x [T, H] (see the module docstring)."""
+    weights, chosen = route(F.linear(x, e.router), e.top_k, e.renormalise, e.cast_back)
+    if static:
+        return _experts_gathered(x, e, act, weights, chosen)
+    out = torch.zeros_like(x)
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, in token order
+    start = 0
+    for ex, n in enumerate(torch.bincount(flat, minlength=e.router.shape[0]).tolist()):
+        if n == 0:
+            continue
+        pick = order[start:start + n]
+        start += n
+        token = pick // e.top_k
+        gu = x[token] @ e.gate_up_t[ex]
+        inter = gu.shape[-1] // 2
+        y = (act(gu[:, :inter]).mul_(gu[:, inter:]) @ e.down_t[ex]) * weights.flatten()[pick, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def _experts_gathered(x, e: Experts, act, weights, chosen) -> torch.Tensor:
+    """The same with no value-dependent shape: each (token, chosen expert) pair through that expert's
+    gathered weights, the pairs of a token added in expert order."""
+    t, k = chosen.shape
+    chosen, perm = chosen.sort(dim=-1)  # the grouped path adds a token's experts in expert order
+    weights = weights.gather(1, perm)
+    flat = chosen.flatten()
+    xs = x[:, None, :].expand(t, k, x.shape[-1]).reshape(t * k, 1, x.shape[-1])
+    gu = torch.bmm(xs, e.gate_up_t[flat])
+    inter = gu.shape[-1] // 2
+    y = torch.bmm(act(gu[..., :inter]).mul_(gu[..., inter:]), e.down_t[flat]).view(t, k, -1) * weights[..., None]
+    out = torch.zeros_like(x)
+    for j in range(k):
+        out = out + y[:, j].to(out.dtype)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """The model's RMSNorm over the last dimension; `weight` is astrai.infer.packed.norm_weight's (Gemma's
+    1 + w when `offset`), of x's last dimension or broadcast to x (q/k norms stacked per head). In float32
+    torch's rms_norm runs the same operations in C++ (bit-identical, fewer Python calls); in other dtypes
+    it rounds once where Hugging Face rounds twice, so the model's formula is kept there."""
     if x.dtype in (torch.float32, torch.float64):
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
+        if weight.shape == x.shape[-1:]:
+            return F.rms_norm(x, x.shape[-1:], weight, eps)
+        return F.rms_norm(x, x.shape[-1:], None, eps) * weight
     h = at_least_float32(x)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return (h * weight).to(x.dtype) if offset else weight * h.to(x.dtype)
 
 
 def rope_tables(position_ids: torch.Tensor, rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,18 +7,14 @@ positions the K/V is stored under), then write K/V, then attend (decode when eve
 step has exactly one new token, ragged prefill otherwise). Only the last position of each request
 that samples goes through the LM head.
 
-Which forward runs: the fused one (astrai.infer.fused: q/k/v and gate/up as one matmul each, RoPE
-tables once per step) whenever it implements the model, else the model's own (`reference_reason`
-says why). Decode steps, whose inputs go into preallocated buffers (`DecodeInputs`), may instead
-run compiled (`compile`, CPU: astrai.infer.compiled) or as replayed CUDA graphs (`cuda_graphs`, a
-GPU with the cuda backend: astrai.infer.cuda_graph). Before each step `sync_weights()` looks for
-changed weights (astrai.infer.fused.WeightWatch) and rebuilds the fused copies.
-
-On CPU the LM head multiplies by a transposed, contiguous copy of its weight ([hidden, vocab]):
-MKL streams that layout faster for the few rows a decode step has (bench/cpu_ops.py; figures in
-bench/RESULTS.md), and the head is the largest single product of a small model's decode step. The
-copy costs the head's size in memory once, and is remade if the weight changes (its data pointer
-or version counter).
+The forward is the engine's one forward for every family (astrai.infer.fused, on weights packed
+at load by astrai.infer.packed). Decode steps, whose inputs go into preallocated buffers
+(`DecodeInputs`), may instead run compiled (`compile`, CPU: astrai.infer.compiled) or as replayed
+CUDA graphs (`cuda_graphs`, a GPU with the cuda backend: astrai.infer.cuda_graph), both over that
+same forward's weights. Before each step `sync_weights()` looks for changed weights
+(astrai.infer.packed.WeightWatch) and packs them again. The LM head multiplies by the packed head
+(on CPU a transposed contiguous copy: MKL streams [hidden, vocab] faster for a decode step's few
+rows, and the head is the largest single product of a small model's decode step).
 """
 
 from __future__ import annotations
@@ -26,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from astrai.infer.backend import AttentionBackend, AttentionMeta
-from astrai.infer.backends.torch_native import padded_kv_slots
 from astrai.infer.cache import PagePool, pages_for
-from astrai.infer.fused import FusedModel, WeightWatch, rope_tables, unsupported
+from astrai.infer.fused import FusedModel, rope_tables
+from astrai.infer.packed import WeightWatch
 from astrai.infer.scheduler import Batch
 from astrai.model.attention import AttentionContext
 
@@ -36,16 +32,16 @@ from astrai.model.attention import AttentionContext
 class PagedContext(AttentionContext):
     def __init__(self, backend: AttentionBackend, meta: AttentionMeta, slots: torch.Tensor, decode: bool):
         self.backend, self.meta, self.slots, self.decode = backend, meta, slots, decode
-        self._tables = None
+        self._tables = {}
 
     def rope_tables(self, position_ids, rope):
-        """(cos, sin_signed) for the step, gathered once and shared by every layer; None when the
-        backend applies RoPE itself (a fused kernel)."""
+        """(cos, sin_signed) of a RoPE for the step, gathered once and shared by the layers that use it;
+        None when the backend applies RoPE itself (a fused kernel)."""
         if type(self.backend).rotary is not AttentionBackend.rotary:
             return None
-        if self._tables is None:
-            self._tables = rope_tables(position_ids, rope, self.backend.k_cache[0].dtype)
-        return self._tables
+        if id(rope) not in self._tables:
+            self._tables[id(rope)] = rope_tables(position_ids, rope, self.backend.k_cache[0].dtype)
+        return self._tables[id(rope)]
 
     def rotary(self, q, k, position_ids, rope):
         return self.backend.rotary(q, k, position_ids, rope)
@@ -85,79 +81,60 @@ class DecodeInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: PagePool, backend: AttentionBackend, device="cpu", fused: bool = True,
-                 compile: bool = False, cuda_graphs: bool = False):
+    def __init__(self, model, pool: PagePool, backend: AttentionBackend, device="cpu", compile: bool = False,
+                 cuda_graphs: bool = False):
         self.model = model
         self.pool = pool
         self.backend = backend
         self.device = torch.device(device)
-        # why the model's own forward runs instead of the fused one (None: the fused one runs)
-        self.reference_reason = "fused forward off" if not fused else unsupported(model)
-        self.fused = FusedModel(model) if self.reference_reason is None else None
+        self.fused = FusedModel(model)  # raises UnservableModel for what it cannot compute
         self.watch = WeightWatch(model)
         max_running = pool.table.table.shape[0]
         self.decode_inputs = DecodeInputs(max_running, max_running * pages_for(pool.max_context, pool.page_size),
                                           self.device)
-        self._head_t: torch.Tensor | None = None
-        self._head_key: tuple | None = None
         self.compiled = self._compiled_decode() if compile else None
         self.graphs = self._graph_decode() if cuda_graphs else None
 
     def sync_weights(self) -> bool:
-        """Before a step: True if the model's weights changed since the last step (the fused copies are
-        then rebuilt; K/V computed with the old weights is the caller's to drop)."""
+        """Before a step: True if the model's weights changed since the last step (they are then packed
+        again; K/V computed with the old weights is the caller's to drop)."""
         if not self.watch.changed():
             return False
-        if self.fused is not None:
-            self.fused.rebuild()
+        self.fused.rebuild()
         return True
 
     def release(self) -> None:
-        """Drop the fused copies and the head's transposed copy (the engine sleeps); the next
-        `sync_weights` remakes them."""
-        if self.fused is not None:
-            self.fused.layers = []
-        self._head_t = self._head_key = None
+        """Drop the packed copies (the engine sleeps); the next `sync_weights` packs them again."""
+        self.fused.release()
         self.watch.forget()
+
+    def _scratch_page(self) -> int:
+        if self.backend.k_cache[0].shape[0] < (self.pool.num_pages + 1) * self.pool.page_size:
+            raise ValueError("compiled and graph decode need a scratch page after the pool's pages in the K/V storage")
+        return self.pool.num_pages
 
     def _graph_decode(self):
         """CUDA graphs of the decode step, where they can run (else None: eager decode)."""
         from astrai.infer.backends.cuda import CudaBackend
         from astrai.infer.cuda_graph import GraphDecode
 
-        if self.fused is None or self.device.type != "cuda" or not isinstance(self.backend, CudaBackend):
+        if self.device.type != "cuda" or not isinstance(self.backend, CudaBackend):
             return None
-        if self.backend.k_cache[0].shape[0] < (self.pool.num_pages + 1) * self.pool.page_size:
-            raise ValueError("CUDA graphs need a scratch page after the pool's pages in the K/V storage")
         return GraphDecode(self.fused, self.backend, self.pool.table.table.shape[0], self.pool.max_context,
-                           self.pool.page_size, self.pool.num_pages, self.device, PagedContext)
+                           self.pool.page_size, self._scratch_page(), self.device, PagedContext)
 
     def _compiled_decode(self):
         from astrai.infer.backends.torch_native import TorchBackend
         from astrai.infer.compiled import CompiledDecode
 
-        if self.fused is None:
-            raise ValueError(f"compile needs the fused forward, which cannot run this model: {self.reference_reason}")
         if self.device.type != "cpu" or not isinstance(self.backend, TorchBackend):
             raise ValueError("compile is for the CPU (torch attention backend); on a GPU decode runs as CUDA graphs")
-        decode = CompiledDecode(self.fused, self.backend.k_cache, self.backend.v_cache)
+        decode = CompiledDecode(self.fused, self.backend, PagedContext, self._scratch_page(), self.pool.page_size)
         decode.warm_up()
         return decode
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cpu":
-            return self.model.logits(hidden)
-        w = self.model.lm_head.weight
-        key = (w.data_ptr(), w._version)
-        if key != self._head_key:
-            t = self._head_t
-            if t is not None and t.shape == w.shape[::-1] and t.dtype == w.dtype:
-                with torch.inference_mode():  # made under it, by a forward
-                    t.copy_(w.detach().t())  # the weights changed in place (a sync): no new memory
-            else:
-                self._head_t = w.detach().t().contiguous()
-            self._head_key = key
-        return self.model.cap_logits(hidden @ self._head_t)
+        return self.fused.logits(hidden)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext, list[int]]:
         if all(n == 1 for n in batch.q_lens):
@@ -212,14 +189,7 @@ class ModelRunner:
             last = [i for i in range(len(batch.reqs)) if batch.samples(i)]
         else:
             ids, pos, ctx, last = self.prepare(batch)
-            if self.fused is None:
-                hidden = self.model(ids, pos, ctx)
-            elif decode and self.compiled is not None:
-                kv_slots, valid = padded_kv_slots(ctx.meta)
-                bias = torch.zeros(valid.shape, dtype=self.backend.k_cache[0].dtype).masked_fill_(~valid, float("-inf"))
-                hidden = self.compiled(ids, ctx.slots, kv_slots, bias, ctx.rope_tables(pos, self.model.rope))
-            else:
-                hidden = self.fused(ids, pos, ctx)
+            hidden = (self.compiled if decode and self.compiled is not None else self.fused)(ids, pos, ctx)
         if not last:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         if len(last) < hidden.shape[0]:

@@ -139,13 +139,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits [T, E], weights [T, k], chosen experts [T, k])."""
         logits = self.gate(x)
-        probs = torch.softmax(at_least_float32(logits), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalise:
-            weights = weights / weights.sum(-1, keepdim=True)
-        if not self.mixtral:
-            weights = weights.to(logits.dtype)
-        return logits, weights, chosen
+        return (logits, *route(logits, self.top_k, self.renormalise, cast_back=not self.mixtral))
 
     def forward(self, x):
         logits, weights, chosen = self.route(x)
@@ -158,6 +152,18 @@ class SparseMoE(nn.Module):
             y = expert(x[token]) * weights[token, slot, None]
             out = out.index_add(0, token, y.to(out.dtype))
         return out, logits
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, cast_back: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], chosen experts [T, k]) from router logits [T, E]: softmax in float32, the top k,
+    renormalised over them when asked, cast back to the logits' dtype when asked (not in Mixtral)."""
+    probs = torch.softmax(at_least_float32(logits), dim=-1)
+    weights, chosen = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    if cast_back:
+        weights = weights.to(logits.dtype)
+    return weights, chosen
 
 
 def embed_scale(c: ModelConfig, dtype: torch.dtype) -> Optional[torch.Tensor]:

@@ -1,4 +1,10 @@
+import sys
+from pathlib import Path
+
 import pytest
+
+# tests/model/families.py (tiny transformers models of every family) is shared with the engine's tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
 
 @pytest.fixture(scope="module")

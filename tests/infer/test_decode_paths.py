@@ -1,5 +1,5 @@
-"""The decode step's other paths against the eager fused one: torch.compile on the CPU, CUDA graphs on a GPU
-(their host-side bucketing and padding are checked on the CPU)."""
+"""The decode step's other paths against the eager forward, every family: torch.compile on the CPU, CUDA graphs
+on a GPU (their host-side bucketing and padding are checked on the CPU)."""
 
 import random
 
@@ -71,6 +71,64 @@ def test_compiled_decode_equals_eager(tiny_path):
             lp_a = torch.tensor([t.logprob for t in x.logprobs])
             lp_b = torch.tensor([t.logprob for t in y.logprobs])
             torch.testing.assert_close(lp_a, lp_b, atol=1e-4, rtol=0)
+
+
+def _family_path(name, tmp_path):
+    from families import CASES, hf_model
+
+    hf_model(name, seed=60 + list(CASES).index(name)).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _family_prompts(seed):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (9,), generator=g).tolist()
+    return [shared + torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 8)] + [[7, 3, 5]]
+
+
+@pytest.mark.slow  # one compile per family: about 4 min each on a 2-core machine under load, less when idle
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe"])
+def test_compiled_decode_equals_eager_for_every_family(name, tmp_path):
+    """The compiled decode of every family (biases, q/k norms, Gemma's norms, GELU, scale and local RoPE, sliding
+    windows past the window of 8, experts run eagerly between compiled halves) gives the eager forward's greedy
+    tokens and logprobs (1e-4). Every decode step has two or more requests: only the graph of several requests compiles."""
+    from astrai.infer.compiled import CompiledDecode
+    from astrai.infer.runner import PagedContext
+
+    path = _family_path(name, tmp_path)
+    opts = dict(device="cpu", page_size=4, max_running=4)
+    eager = Engine(load_model(path), options=EngineOptions(**opts))
+    compiled = Engine(load_model(path), options=EngineOptions(**opts))
+    r = compiled.runner
+    r.compiled = CompiledDecode(r.fused, r.backend, PagedContext, r.pool.num_pages, r.pool.page_size)
+    calls = []
+    layer = r.compiled.layer
+    r.compiled.layer = lambda *a: calls.append(a[0].shape[0]) or layer(*a)
+    ps = _family_prompts(list(name).count("a"))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    a, b = eager.generate(ps, params), compiled.generate(ps, params)
+    assert calls and min(calls) >= 2  # the graph of several requests only (size 1 has its own)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor([t.logprob for t in y.logprobs]),
+                                   torch.tensor([t.logprob for t in x.logprobs]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen2", "mixtral", "qwen3_moe"])
+def test_cuda_graph_decode_of_every_family_equals_eager_on_gpu(name, tmp_path):
+    """CUDA graphs on for the other families too (windows, Gemma's norms and local RoPE, experts gathered by
+    index inside the graph): greedy tokens equal the eager forward's."""
+    pytest.importorskip("cupy")
+    path = _family_path(name, tmp_path)
+    opts = dict(device="cuda", dtype="float32", page_size=4, max_running=4)
+    graphs = Engine(load_model(path), options=EngineOptions(**opts))
+    eager = Engine(load_model(path), options=EngineOptions(**opts, cuda_graphs=False))
+    assert graphs.runner.graphs is not None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ps = _family_prompts(3)
+    assert [o.token_ids for o in graphs.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
+    assert graphs.runner.graphs.graphs
 
 
 @pytest.mark.gpu

@@ -113,10 +113,12 @@ def test_options_are_strict():
 
 def test_cpu_lm_head_copy_follows_the_weight(engine):
     """The runner's transposed LM-head copy gives the model's logits, and is remade when the weight
-    changes in place (a model trained between generations must not sample from stale logits)."""
+    changes in place (a model trained between generations must not sample from stale logits): the
+    step's weight check sees the change."""
     runner, model = engine.runner, engine.model
     h = torch.randn(5, model.config.hidden_size)
     with torch.no_grad():
         torch.testing.assert_close(runner.logits(h), model.logits(h), atol=1e-5, rtol=1e-5)
         model.lm_head.weight.mul_(-2.0)
+        assert runner.sync_weights()  # what Engine.step does first
         torch.testing.assert_close(runner.logits(h), model.logits(h), atol=1e-5, rtol=1e-5)

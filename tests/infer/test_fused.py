@@ -1,6 +1,6 @@
-"""The engine's fused forward (astrai.infer.fused) against the reference path (the model's own forward) and
-transformers: same logits on ragged prefill / decode steps, the same greedy tokens, after weights change in
-place too, and the reference path for what it does not implement."""
+"""The engine's one forward (astrai.infer.fused) against the model's own forward and transformers, for every
+family: same logits on ragged prefill / decode steps, the same greedy tokens, after weights change in place
+too; LoRA-wrapped projections served merged; what it cannot compute refused by name."""
 
 import random
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from astrai.infer import fused as fused_mod
+from families import CASES, hf_model
+
 from astrai.infer.engine import Engine, EngineOptions
+from astrai.infer.packed import OWN_ROWS, UnservableModel
 from astrai.infer.request import SamplingParams
 from astrai.model import CausalLM, ModelConfig, load_model, save_model
 
@@ -37,18 +39,18 @@ def step_logits(engine, batch, fused: bool):
     """Logits of every computed position of a scheduled batch, through the fused or the model's forward."""
     ids, pos, ctx, _ = engine.runner.prepare(batch)
     with torch.inference_mode():
-        hidden = engine.runner.fused(ids, pos, ctx) if fused else engine.model(ids, pos, ctx)
-        return engine.model.logits(hidden)
+        if fused:
+            return engine.runner.logits(engine.runner.fused(ids, pos, ctx))
+        return engine.model.logits(engine.model(ids, pos, ctx))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("own_rows", [(0, -1), fused_mod.OWN_ROWS, (1, 1 << 30)], ids=["input-major", "default", "own"])
+@pytest.mark.parametrize("own_rows", [(0, -1), OWN_ROWS, (1, 1 << 30)], ids=["input-major", "default", "own"])
 def test_fused_step_logits_equal_the_model_forward(tiny_path, page_size, own_rows):
     """Ragged prefill with a cached prefix, chunked prefill mixed with decode, then pure decode steps;
     every step on the input-major copies, on the model's own weights, or as the row count chooses."""
     engine = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", page_size=page_size, max_step_tokens=24,
                                                                  max_running=8))
-    assert engine.runner.fused is not None, engine.runner.reference_reason
     engine.runner.fused.own_rows = own_rows
     engine.generate(prompts(0)[:1], SamplingParams(max_tokens=1, temperature=0.0))  # a prefix in the radix cache
     for p in prompts(1):
@@ -100,7 +102,7 @@ def test_weights_changed_in_place_or_replaced_are_seen(tiny_path, tmp_path):
 
 
 class Wrapped(nn.Module):
-    """What an adapter library puts in place of a Linear (the fused forward must not read past it)."""
+    """What another adapter library puts in place of a Linear: the engine must not compute past it."""
 
     def __init__(self, base):
         super().__init__()
@@ -110,24 +112,102 @@ class Wrapped(nn.Module):
         return self.base_layer(x) * 2
 
 
-def test_what_the_fused_forward_does_not_implement_takes_the_reference_path(tiny_path, monkeypatch):
-    moe = CausalLM(ModelConfig.preset("tiny-moe"))
-    assert "mixture of experts" in fused_mod.unsupported(moe)
+def test_a_projection_the_engine_cannot_compute_is_refused_by_name(tiny_path):
     model = load_model(tiny_path)
     model.model.layers[1].self_attn.v_proj = Wrapped(model.model.layers[1].self_attn.v_proj)
-    assert "v_proj is a Wrapped" in fused_mod.unsupported(model)
-    engine = Engine(model, options=EngineOptions(device="cpu"))
-    assert engine.runner.fused is None and "Wrapped" in engine.runner.reference_reason
-    ref = model.model.layers[1].self_attn.v_proj
-    with torch.no_grad():  # the wrapper's computation is the one that runs
-        out = engine.generate(prompts(3, 2), SamplingParams(max_tokens=4, temperature=0.0))
-        model.model.layers[1].self_attn.v_proj = ref.base_layer
-        plain = Engine(model, options=EngineOptions(device="cpu")).generate(prompts(3, 2),
-                                                                              SamplingParams(max_tokens=4, temperature=0.0))
-    assert [o.token_ids for o in out] != [o.token_ids for o in plain]
-    scaled = load_model(tiny_path).config.replace(rope_scaling={"rope_type": "linear", "factor": 2.0})
-    monkeypatch.setattr(fused_mod, "IMPLEMENTED", fused_mod.IMPLEMENTED - {"rope_scaling"})
-    assert "rope_scaling" in fused_mod.unsupported(CausalLM(scaled))  # a field it does not know: reference path
+    with pytest.raises(UnservableModel, match=r"model.layers.1.self_attn.v_proj is a Wrapped"):
+        Engine(model, options=EngineOptions(device="cpu"))
+    model = load_model(tiny_path)
+    model.model.layers[0].mlp.extra = nn.Linear(2, 2)
+    with pytest.raises(UnservableModel, match=r"model.layers.0.mlp: submodules \['extra'\]"):
+        Engine(model, options=EngineOptions(device="cpu"))
+
+
+def _run_steps(engine, params, ps, check) -> list[list[int]]:
+    """Step the engine by hand over prompts `ps`; `check(batch)` returns the step's logits."""
+    reqs = [engine.add_request(p, params) for p in ps]
+    while engine.has_work():
+        batch = engine.scheduler.schedule()
+        logits = check(batch)
+        last = torch.tensor(batch.q_lens).cumsum(0) - 1
+        picks = [(r, last[i]) for i, r in enumerate(batch.reqs) if batch.samples(i)]
+        engine.scheduler.advance(batch)
+        for req, row in picks:
+            engine._accept(req, int(logits[row].argmax()), None)
+    return [r.output_ids for r in reqs]
+
+
+def test_lora_wrapped_projections_are_served_merged(tiny_path):
+    """A LoRA-wrapped model (every projection and the LM head) runs the engine's forward on merged weights:
+    each step's logits equal the model's own forward through the adapters (unmerged, LoraLinear); with the
+    adapters switched off the weights are packed again and the logits are the base model's."""
+    from astrai.model.lora import LoraSpec, adapters_disabled, apply_lora, lora_layers
+
+    model = load_model(tiny_path)
+    apply_lora(model, LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj", "lm_head")))
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.weight.normal_(0.0, 0.3)
+    engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=24, max_running=8))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    def check(batch):
+        ref = step_logits(engine, batch, fused=False)
+        ids, pos, ctx, _ = engine.runner.prepare(batch)
+        with torch.inference_mode():
+            ours = engine.runner.logits(engine.runner.fused(ids, pos, ctx))
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+        return ref
+
+    with_adapters = _run_steps(engine, params, prompts(5, 3), check)
+    builds = engine.runner.fused.builds
+    with adapters_disabled(model):
+        assert engine.runner.sync_weights() and engine.runner.fused.builds == builds + 1
+        engine.pool.reset_prefix_cache()
+        without = _run_steps(engine, params, prompts(5, 3), check)
+    assert with_adapters != without  # the adapters matter at this scale
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory):
+    """(family, transformers model, checkpoint written by transformers): tests/model/families.py."""
+    name = request.param
+    hf = hf_model(name, seed=20 + list(CASES).index(name))
+    path = tmp_path_factory.mktemp(f"fused-{name}")
+    hf.save_pretrained(path)
+    return name, hf, path
+
+
+@pytest.mark.parametrize("own_rows", [(0, -1), (1, 1 << 30)], ids=["input-major", "own"])
+def test_every_family_runs_the_one_forward(family, own_rows):
+    """Every family (biases, q/k norms, Gemma's norms, scale, soft-capping and local/global layers, sliding
+    windows, experts) on the engine's forward: ragged prefill with a radix-cached prefix, chunked prefill mixed
+    with decode, decode past the window of 8; each step's logits equal the model's own forward (1e-4, float32),
+    the greedy tokens equal transformers' `generate`."""
+    name, hf, path = family
+    engine = Engine(load_model(path), options=EngineOptions(device="cpu", page_size=4, max_step_tokens=24,
+                                                            max_running=8))
+    engine.runner.fused.own_rows = own_rows
+    rng = random.Random(list(CASES).index(name))
+    shared = [rng.randrange(256) for _ in range(13)]
+    ps = [shared + [rng.randrange(256) for _ in range(n)] for n in (1, 6, 19)] + [[rng.randrange(256)] * 3]
+    engine.generate(ps[:1], SamplingParams(max_tokens=1, temperature=0.0))  # the shared prefix in the radix cache
+    kinds = set()
+
+    def check(batch):
+        kinds.add("decode" if all(n == 1 for n in batch.q_lens) else "mixed")
+        ref = step_logits(engine, batch, fused=False)  # writes the step's K/V; the fused pass rewrites it
+        torch.testing.assert_close(step_logits(engine, batch, fused=True), ref, atol=1e-4, rtol=0)
+        return ref
+
+    new = 12
+    outs = _run_steps(engine, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), ps, check)
+    assert kinds == {"decode", "mixed"}
+    for p, out in zip(ps, outs):
+        assert out == hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False)[0, len(p):].tolist()
 
 
 def test_smollm2_chats_fused_equal_transformers_also_after_an_in_place_update(smollm2):
@@ -137,7 +217,6 @@ def test_smollm2_chats_fused_equal_transformers_also_after_an_in_place_update(sm
     tok = transformers.AutoTokenizer.from_pretrained(smollm2)
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     engine = Engine.from_checkpoint(smollm2, EngineOptions(device="cpu", kv_cache_tokens=4096))
-    assert engine.runner.fused is not None, engine.runner.reference_reason
     chats = [[{"role": "user", "content": q}] for q in
              ("What is the capital of France?", "Can you explain the fourth dimension to a second grader?",
               "What are some social media ideas I could use?", "Which hero is the best in Heroes of Might and Magic 3?")]
@@ -160,3 +239,34 @@ def test_smollm2_chats_fused_equal_transformers_also_after_an_in_place_update(sm
     builds = engine.runner.fused.builds
     assert [o.token_ids for o in engine.generate(chats, params)] == hf_out()
     assert engine.runner.fused.builds == builds + 1
+
+
+@pytest.mark.parametrize("layout", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_grouped_and_gathered_equal_the_models_layer(layout, dtype):
+    """The engine's sparse layer, grouped (one matmul per expert) and gathered (CUDA graphs: no shape that depends
+    on the routing), against the model's SparseMoE on the same weights: Mixtral's renormalised float32 routing
+    weights, Qwen3-MoE's unrenormalised ones cast back; top 3 of 6 so the order a token's experts are added in
+    matters, and more tokens than some experts get."""
+    from astrai.infer.fused import experts_forward
+    from astrai.infer.packed import pack
+    from astrai.model.layers import SparseMoE, activation
+
+    cfg = ModelConfig.preset("tiny-moe", family=layout, num_local_experts=6, num_experts_per_tok=3,
+                             norm_topk_prob=False)
+    torch.manual_seed(8)
+    model = CausalLM(cfg).to(dtype).eval()
+    layer = model.model.layers[0]
+    moe = layer.block_sparse_moe if layout == "mixtral" else layer.mlp
+    assert isinstance(moe, SparseMoE) and moe.renormalise == (layout == "mixtral")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.3)
+        x = torch.randn(11, cfg.hidden_size).to(dtype)
+        ref, _ = moe(x)
+        experts = pack(model).layers[0].experts
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        for static in (False, True):
+            got = experts_forward(x, experts, activation(cfg.hidden_act), static=static)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, ref, **tol)

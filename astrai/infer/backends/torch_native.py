@@ -74,13 +74,20 @@ def _page_slots(meta: AttentionMeta) -> torch.Tensor:
     return (pages.long()[:, :, None] * meta.page_size + offsets).reshape(meta.batch_size, -1)
 
 
-def padded_kv_slots(meta: AttentionMeta, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, max_kv_len] slot of each request's K/V positions, [B, max_kv_len] valid) for attention
-    over every request's K/V padded to the longest (a padded position points at slot 0, not valid)."""
+def decode_kv_slots(meta: AttentionMeta, window: int | None = None,
+                    slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, L] slots, [B, L] valid) of the K/V each request's new token attends to: all its positions,
+    or in a sliding-window layer its last `window` (fewer when shorter), left-aligned and padded to the
+    longest (a padded position points at a request's slot or slot 0, and is not valid)."""
     slots = _page_slots(meta) if slots is None else slots
     max_kv = max(meta.host["kv_lens"]) if meta.batch_size else 0
-    valid = torch.arange(max_kv, device=slots.device)[None, :] < meta.kv_lens[:, None].long()
-    return slots[:, :max_kv], valid
+    lens = meta.kv_lens.long()
+    if window is None or max_kv <= window:
+        valid = torch.arange(max_kv, device=slots.device)[None, :] < lens[:, None]
+        return slots[:, :max_kv], valid
+    idx = (lens - window).clamp(min=0)[:, None] + torch.arange(window, device=slots.device)
+    valid = idx < lens[:, None]
+    return slots.gather(1, idx.clamp(max=slots.shape[1] - 1)), valid
 
 
 class TorchBackend(AttentionBackend):
@@ -133,11 +140,8 @@ class TorchBackend(AttentionBackend):
         kv_lens, ps = meta.host["kv_lens"], meta.page_size
         slots = _page_slots(meta)
         if window is not None and max(kv_lens) > window:
-            # each request's last `window` positions (fewer when shorter), left-aligned and length-masked
-            lens = meta.kv_lens.long()
-            idx = (lens - window).clamp(min=0)[:, None] + torch.arange(window, device=slots.device)
-            valid = idx < lens[:, None]
-            plan = ("padded", slots.gather(1, idx.clamp(max=slots.shape[1] - 1)), valid[:, None, None, :])
+            window_slots, valid = decode_kv_slots(meta, window, slots)
+            plan = ("padded", window_slots, valid[:, None, None, :])
             meta.scratch[key] = plan
             return plan
         shared = 0
@@ -153,7 +157,7 @@ class TorchBackend(AttentionBackend):
             add.masked_fill_(pad, float("-inf"))
             plan = ("cascade", slots[0, :shared], own_slots, add[:, None, None, :])
         else:
-            slots, valid = padded_kv_slots(meta, slots)
+            slots, valid = decode_kv_slots(meta, None, slots)
             # a single request needs no mask: SDPA without one is faster (and exact)
             plan = ("padded", slots, None if meta.batch_size == 1 else valid[:, None, None, :])
         meta.scratch[key] = plan
