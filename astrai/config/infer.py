@@ -66,7 +66,8 @@ class EngineOptions(BaseModel):
     prefix_cache: bool = Field(True, description="share K/V of common prompt prefixes (radix cache)")
     device: str = Field("auto", description="auto (cuda when available, else cpu) | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on cpu, the checkpoint's dtype on a GPU")
+        "auto", description="auto: bfloat16 where bf16 products are faster (a CPU with avx512_bf16 or amx_bf16, a "
+        "GPU of compute capability 8.0+), else float32 (float16 for a float16 checkpoint on an older GPU); printed")
     chat_template: Optional[str] = Field(None, description="bundled name or .jinja path; default: the tokenizer's")
     compile: bool = Field(False, description="cpu: torch.compile the decode step at start (tens of seconds once, "
                           "cached on disk; needs a C++ compiler)")

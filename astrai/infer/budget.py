@@ -18,6 +18,7 @@ import torch
 
 from astrai.errors import InputError
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PAGE_OVERHEAD_BYTES = 64  # Python bookkeeping per page (free list, refcount, in-tree flag)
 USABLE_SHARE = 0.9  # of the free memory: the model's activations need some too
 
@@ -40,6 +41,23 @@ def resolve_device(spec: str) -> torch.device:
     elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise InputError(f"--device {spec}: MPS is not available here; use --device cpu (or auto)")
     return device
+
+
+def resolve_dtype(spec: str, device: torch.device, checkpoint_dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """(the engine's weight and K/V dtype, why in a few words). `auto` takes bfloat16 where bf16 products
+    run faster than float32 (astrai.runtime.hardware.bf16_matmul_fast: the CPU's bf16 dot-product
+    instructions, a GPU's bf16 tensor cores; products accumulate in float32 either way), else float32,
+    or float16 for a float16 checkpoint on a GPU without bf16."""
+    from astrai.runtime.hardware import bf16_matmul_fast
+
+    if spec != "auto":
+        return DTYPES[spec], f"dtype {spec} as asked"
+    fast, why = bf16_matmul_fast(device)
+    if fast:
+        return torch.bfloat16, f"dtype auto: bfloat16 ({why})"
+    if device.type == "cuda" and checkpoint_dtype == torch.float16:
+        return torch.float16, f"dtype auto: float16, the checkpoint's ({why})"
+    return torch.float32, f"dtype auto: float32 ({why})"
 
 
 def available_bytes(device: torch.device) -> Optional[int]:

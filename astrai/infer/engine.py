@@ -28,7 +28,7 @@ import torch
 from astrai.config.infer import EngineOptions, generation_config_sampling
 from astrai.errors import InputError, InvalidRequest
 from astrai.infer.backend import select_backend
-from astrai.infer.budget import check_engine_memory, resolve_device
+from astrai.infer.budget import check_engine_memory, resolve_device, resolve_dtype
 from astrai.infer.cache import PagePool, pages_for
 from astrai.text.prompt import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
 from astrai.text.template import ChatTemplate
@@ -39,7 +39,6 @@ from astrai.infer.runner import ModelRunner
 from astrai.infer.sampling import TokenLogprob, make_generator, sample
 from astrai.infer.scheduler import Scheduler
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -87,7 +86,8 @@ class Engine:
     def __init__(self, model, tokenizer=None, options: Optional[EngineOptions] = None, eos_ids: Iterable[int] = ()):
         self.options = o = options or EngineOptions()
         self.device = resolve_device(o.device)
-        dtype = DTYPES.get(o.dtype) or (torch.float32 if self.device.type == "cpu" else next(model.parameters()).dtype)
+        dtype, self.dtype_reason = resolve_dtype(o.dtype, self.device, next(model.parameters()).dtype)
+        self.dtype = dtype
         c = model.config
         check_engine_memory(o, c, dtype, self.device)  # before the KV pool is allocated
         self.model = model.to(device=self.device, dtype=dtype).eval()

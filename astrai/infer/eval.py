@@ -84,7 +84,8 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     problem = tokenizer_problem(dataset.manifest, engine.tokenizer, options.checkpoint, options.data)
     if problem:
         raise ValueError(problem)
-    result = {"checkpoint": str(options.checkpoint), "data": str(options.data), "data_kind": kind}
+    result = {"checkpoint": str(options.checkpoint), "data": str(options.data), "data_kind": kind,
+              "dtype": str(engine.dtype).replace("torch.", "")}  # what the figures were computed in
     if kind == "single":
         result.update(perplexity(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device))
         prompts = held_out_prompts(dataset, options.samples)

@@ -71,6 +71,7 @@ def generate_main(options: GenerateOptions, out=None, err=None, stdin=None) -> i
     sink = open_output(options.output) if options.output else None  # before the model is loaded
     try:
         engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
+        err.write(f"[generate] {engine.device.type}, {engine.dtype_reason}\n")
         base = with_checkpoint_defaults(options.sampling, engine.generation_defaults)
         params = [sampling_with(base, it.sampling, it.where) for it in items]
         text_view = not sink and not options.as_json and (options.prompt is not None or _is_terminal(out))

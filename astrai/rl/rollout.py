@@ -37,7 +37,8 @@ import torch
 from astrai.config.infer import EngineOptions, SamplingParams
 from astrai.config.train import RolloutOptions
 from astrai.infer.cache import pages_for
-from astrai.infer.engine import DTYPES, Engine
+from astrai.infer.budget import DTYPES
+from astrai.infer.engine import Engine
 from astrai.model.lora import has_adapters, lora_layers, merged_state
 from astrai.model.transformer import CausalLM
 

@@ -46,6 +46,7 @@ def chat_main(options: ChatOptions, inp=None, out=None, err=None) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     opening = [{"role": "system", "content": options.system}] if options.system else []
     history = list(opening)
+    print(f"{engine.device.type}, {engine.dtype_reason}", file=err)
     print(HELP, file=err, flush=True)
     note = checkpoint_sampling_note(engine.generation_defaults)
     if note:

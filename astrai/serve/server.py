@@ -100,6 +100,7 @@ def serve_main(options: ServeOptions, out=None) -> int:
         print(f"astrai serve: {note}", file=out, flush=True)
     _set_threads(options.threads)
     engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
+    print(f"astrai serve: {engine.device.type}, {engine.dtype_reason}", file=out, flush=True)
     name = options.served_model_name or options.checkpoint
     aliases = frozenset({options.checkpoint, str(Path(options.checkpoint).resolve()),
                          Path(options.checkpoint).resolve().name}) - {name}
