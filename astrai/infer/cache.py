@@ -67,7 +67,7 @@ class PagePool:
         req.cache_epoch = self.epoch
         if self.radix is None:
             return 0
-        pages = self.radix.match(req.tokens[:len(req.tokens) - 1])
+        pages = self.radix.match(req.tokens[:len(req.tokens) - 1], req.adapter)
         for p in pages:
             self.alloc.incref(p)
         req.pages = pages
@@ -100,7 +100,7 @@ class PagePool:
         n = req.kv_len // self.page_size  # complete pages with K/V written (never the last sampled token)
         if n == 0:
             return
-        tree_pages = self.radix.insert(req.tokens[:n * self.page_size], req.pages[:n])
+        tree_pages = self.radix.insert(req.tokens[:n * self.page_size], req.pages[:n], req.adapter)
         for i, (own, tree) in enumerate(zip(req.pages[:n], tree_pages)):
             if own != tree:  # the prefix was already cached: hold the tree's page, drop our duplicate
                 self.alloc.incref(tree)

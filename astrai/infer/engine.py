@@ -126,17 +126,28 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, path: Union[str, Path], options: Optional[EngineOptions] = None,
-                        base: Optional[Union[str, Path]] = None) -> "Engine":
+                        base: Optional[Union[str, Path]] = None,
+                        adapters: Optional[dict[str, Union[str, Path]]] = None) -> "Engine":
         """A checkpoint directory (config.json + safetensors + tokenizer files, generation_config.json),
         or a LoRA adapter directory: its base (`base`, else the one it names) with the adapters merged
         in, the adapter directory's tokenizer when it has one (else the base's). A base that does not
-        fit the adapter is refused before any weight is loaded (astrai.model.adapter_files)."""
+        fit the adapter is refused before any weight is loaded (astrai.model.adapter_files).
+        `adapters` (name -> adapter directory): LoRA adapters served beside a full checkpoint, each
+        request choosing one by name (`load_adapters`)."""
         from astrai import json_bounded
         from astrai.model.adapter_files import is_adapter, load_checkpoint, resolve_base
         from astrai.text.tokenizer import load_tokenizer
 
         path = Path(path)
         resolve_device((options or EngineOptions()).device)  # a device this machine lacks: said before loading
+        if adapters and is_adapter(path):
+            raise InputError(f"{path} is an adapter directory: adapters served side by side need a full base "
+                             f"checkpoint (give the base, and this adapter as one of them)")
+        if adapters:  # every adapter checked against the base's config before any weight is read
+            from astrai.model.adapter_files import check_adapter
+
+            for name, directory in adapters.items():
+                check_adapter(directory, path)
         model = load_checkpoint(path, base)
         dirs = [path, resolve_base(path, base)] if is_adapter(path) else [path]
         tok_dir = next((d for d in dirs if (d / "tokenizer.json").exists()), None)
@@ -156,7 +167,23 @@ class Engine:
                 defaults = generation_config_sampling(cfg, str(f))
         engine = cls(model, tokenizer, options, eos)
         engine.generation_defaults = defaults
+        if adapters:
+            engine.load_adapters(adapters, path)
         return engine
+
+    def load_adapters(self, adapters: dict[str, Union[str, Path]], base_dir: Union[str, Path]) -> None:
+        """Serve these LoRA adapters (name -> PEFT directory trained on `base_dir`, this engine's model)
+        beside the base: a request names one (`add_request(..., adapter=NAME)`), requests of different
+        adapters share a step (astrai.infer.lora_bank), and cached prefixes are never shared across
+        adapters."""
+        from astrai.infer.lora_bank import AdapterBank
+
+        self.runner.bank = AdapterBank.load(adapters, base_dir, self.model, self.dtype, self.device)
+        self.pool.reset_prefix_cache()
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.runner.bank.names) if self.runner.bank is not None else []
 
     # ---- requests ----
     def encode(self, prompt: Prompt) -> list[int]:
@@ -165,10 +192,14 @@ class Engine:
         return encode_prompt(prompt, self.tokenizer, self.template if is_chat(prompt) else None)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    end_of_turn: Optional[bool] = None) -> Request:
+                    end_of_turn: Optional[bool] = None, adapter: Optional[str] = None) -> Request:
         """`end_of_turn`: also stop at the chat template's end-of-turn token; default: when the prompt is a
-        conversation (pass True with the ids of a conversation already rendered by `encode`)."""
+        conversation (pass True with the ids of a conversation already rendered by `encode`). `adapter`:
+        the name of a LoRA adapter of `load_adapters` to run with (None: the base)."""
         params = params or SamplingParams()
+        if adapter is not None and adapter not in self.adapter_names:
+            raise InvalidRequest(f"adapter {adapter!r} is not served here"
+                                 + (f" (adapters: {', '.join(self.adapter_names)})" if self.adapter_names else ""))
         ids = self.encode(prompt)
         check_request(ids, params, self.model.config.vocab_size, isinstance(prompt, str) or is_chat(prompt))
         stop_ids = set(params.stop_token_ids)
@@ -177,6 +208,7 @@ class Engine:
         if not params.ignore_eos:
             stop_ids |= self.eos_ids | ({self.eot_id} if end_of_turn and self.eot_id is not None else set())
         req = Request(self._next_rid, ids, params, frozenset(stop_ids))
+        req.adapter = self.runner.bank.adapter_id(adapter) if adapter is not None else 0
         req.generator = make_generator(params.seed, self.device)
         self.scheduler.add(req)  # raises RequestTooLarge for a request that can never fit
         self._next_rid += 1
@@ -284,9 +316,13 @@ class Engine:
                           (s.finished or time.perf_counter()) - s.arrival)
 
     # ---- whole calls ----
-    def stream(self, prompts: Sequence[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-               ) -> Iterator[StreamEvent]:
-        """Events as tokens are sampled, across all prompts (continuous batching), in sampling order."""
+    def stream(self, prompts: Sequence[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+               adapters: Optional[Sequence[Optional[str]]] = None) -> Iterator[StreamEvent]:
+        """Events as tokens are sampled, across all prompts (continuous batching), in sampling order.
+        `adapters`: per prompt, the LoRA adapter it runs with (None: the base)."""
+        adapters = list(adapters) if adapters is not None else [None] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
         if isinstance(params, SamplingParams) or params is None:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -295,7 +331,7 @@ class Engine:
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 try:
-                    index[self.add_request(p, sp).rid] = i
+                    index[self.add_request(p, sp, adapter=adapters[i]).rid] = i
                 except InvalidRequest as e:  # which request: the caller maps it to a file line
                     raise InvalidRequest(str(e), i) from None
             while any(self._live(index)):
@@ -316,11 +352,12 @@ class Engine:
                 yield req
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[Completion]:
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 adapters: Optional[Sequence[Optional[str]]] = None) -> list[Completion]:
         if isinstance(prompts, str) or is_chat(prompts) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         out: list[Optional[Completion]] = [None] * len(prompts)
-        for ev in self.stream(prompts, params):
+        for ev in self.stream(prompts, params, adapters):
             if ev.completion is not None:
                 out[ev.index] = ev.completion
         return out

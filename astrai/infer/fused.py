@@ -47,6 +47,8 @@ class FusedModel:
         self.act = activation(c.hidden_act)
         self.builds = 0  # how many times the weights were packed (tests watch the rebuilds)
         self.own_rows = OWN_ROWS
+        # (AdapterBank, token mask) while a step with adapter tokens runs (astrai.infer.lora_bank), else None
+        self.lora = None
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -83,12 +85,15 @@ class FusedModel:
 
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
-        own = self.own_rows[0] <= t <= self.own_rows[1]  # the model's own weights, one matmul per projection
+        lora = self.lora
+        # the model's own weights, one matmul per projection (not with adapters: their terms add to the packed groups)
+        own = self.own_rows[0] <= t <= self.own_rows[1] and lora is None
         h = self.norm(x, w.attn_norm)
         if own:
             qkv = torch.cat([F.linear(h, *w.own[n]) for n in ("q", "k", "v")], 1)
         else:
             qkv = h @ w.qkv_t if w.qkv_b is None else torch.addmm(w.qkv_b, h, w.qkv_t)
+            qkv = _plus(qkv, lora and lora[0].delta(i, "qkv", h, lora[1]))
         qkv = qkv.view(t, hq + 2 * hkv, d)
         qk = qkv[:, :hq + hkv]
         if w.qk_norm is not None:
@@ -100,7 +105,8 @@ class FusedModel:
         else:  # the backend applies RoPE itself (a fused kernel)
             q, k = ctx.rotary(qk[:, :hq], qk[:, hq:], position_ids, w.rope)
         o = ctx.attend(i, q, k, qkv[:, hq + hkv:], window=w.window, scale=self.scale).reshape(t, hq * d)
-        x = self._residual(x, o, w.own["o"][0].t() if own else w.o_t, w.o_b, w.attn_out_norm)
+        x = self._residual(x, o, w.own["o"][0].t() if own else w.o_t, w.o_b, w.attn_out_norm,
+                           lora and lora[0].delta(i, "o", o, lora[1]))
         h = self.norm(x, w.ffn_norm)
         if w.experts is not None:
             y = experts_forward(h, w.experts, self.act, static)
@@ -109,16 +115,24 @@ class FusedModel:
             act = self.act(F.linear(h, *w.own["gate"])).mul_(F.linear(h, *w.own["up"]))
         else:
             gu = h @ w.gate_up_t if w.gate_up_b is None else torch.addmm(w.gate_up_b, h, w.gate_up_t)
+            gu = _plus(gu, lora and lora[0].delta(i, "gate_up", h, lora[1]))
             inter = gu.shape[-1] // 2
             act = self.act(gu[:, :inter]).mul_(gu[:, inter:])
-        return self._residual(x, act, w.down_t, w.down_b, w.ffn_out_norm)
+        return self._residual(x, act, w.down_t, w.down_b, w.ffn_out_norm,
+                              lora and lora[0].delta(i, "down", act, lora[1]))
 
-    def _residual(self, x, a, weight_t, bias, out_norm):
-        """x + (a @ weight_t + bias), the branch normalised first where the family does (Gemma)."""
-        if out_norm is None and bias is None:
+    def _residual(self, x, a, weight_t, bias, out_norm, extra=None):
+        """x + (a @ weight_t + bias + extra), the branch normalised first where the family does (Gemma);
+        `extra`: the adapters' low-rank term of the projection, or None."""
+        if out_norm is None and bias is None and extra is None:
             return torch.addmm(x, a, weight_t)
         y = a @ weight_t if bias is None else torch.addmm(bias, a, weight_t)
+        y = _plus(y, extra)
         return x + (y if out_norm is None else self.norm(y, out_norm))
+
+
+def _plus(y: torch.Tensor, extra) -> torch.Tensor:
+    return y if extra is None else y + extra
 
 
 def experts_forward(x: torch.Tensor, e: Experts, act, static: bool = False) -> torch.Tensor:

@@ -51,14 +51,18 @@ class RadixCache:
         self.num_evicted = 0  # pages freed by eviction, ever
         self._leaves: set[Node] = set()  # eviction looks at these only, not at the whole tree
 
-    def _keys(self, tokens: Sequence[int], n_pages: int):
+    def _keys(self, tokens: Sequence[int], n_pages: int, salt: int = 0):
+        """Each page's edge label: its token ids, led by `salt` when it is not 0 (a LoRA adapter's index:
+        K/V computed under one adapter is never shared with another, nor with the base)."""
         ps = self.page_size
-        return (tuple(tokens[i * ps:(i + 1) * ps]) for i in range(n_pages))
+        lead = (("adapter", salt),) if salt else ()
+        return (lead + tuple(tokens[i * ps:(i + 1) * ps]) for i in range(n_pages))
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """Pages of the longest cached prefix of `tokens`, in complete pages. Marks the path as used."""
+    def match(self, tokens: Sequence[int], salt: int = 0) -> list[int]:
+        """Pages of the longest cached prefix of `tokens` (computed under adapter `salt`), in complete
+        pages. Marks the path as used."""
         node, pages, now = self.root, [], next(self._clock)
-        for key in self._keys(tokens, len(tokens) // self.page_size):
+        for key in self._keys(tokens, len(tokens) // self.page_size, salt):
             node = node.children.get(key)
             if node is None:
                 break
@@ -66,7 +70,7 @@ class RadixCache:
             pages.append(node.page)
         return pages
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: int = 0) -> list[int]:
         """Cache `pages` (whose KV holds `tokens`, len(tokens) == len(pages) * page_size).
 
         Returns the page the tree holds for each position: the caller's own page where it was new,
@@ -76,7 +80,7 @@ class RadixCache:
         if len(tokens) != len(pages) * self.page_size:
             raise ValueError(f"{len(tokens)} tokens for {len(pages)} pages of {self.page_size}")
         node, out, now = self.root, [], next(self._clock)
-        for key, page in zip(self._keys(tokens, len(pages)), pages):
+        for key, page in zip(self._keys(tokens, len(pages), salt), pages):
             child = node.children.get(key)
             if child is None:
                 child = Node(key, page, node)

@@ -94,6 +94,7 @@ class ModelRunner:
                                           self.device)
         self.compiled = self._compiled_decode() if compile else None
         self.graphs = self._graph_decode() if cuda_graphs else None
+        self.bank = None  # LoRA adapters served beside the base (astrai.infer.lora_bank), if any
 
     def sync_weights(self) -> bool:
         """Before a step: True if the model's weights changed since the last step (they are then packed
@@ -184,7 +185,16 @@ class ModelRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [n_sampling, vocab] (float32) for the requests of the batch that sample, in batch order."""
         decode = all(n == 1 for n in batch.q_lens)
-        if decode and self.graphs is not None:
+        adapters = [r.adapter for r in batch.reqs]
+        if self.bank is not None and any(adapters):  # the eager forward, each token with its adapter's term
+            ids, pos, ctx, last = self.prepare(batch)
+            self.fused.lora = (self.bank, self.bank.token_mask(adapters, batch.q_lens, self.fused.packed.embed.dtype,
+                                                               self.device))
+            try:
+                hidden = self.fused(ids, pos, ctx)
+            finally:
+                self.fused.lora = None
+        elif decode and self.graphs is not None:
             hidden = self.graphs(batch.reqs)
             last = [i for i in range(len(batch.reqs)) if batch.samples(i)]
         else:
