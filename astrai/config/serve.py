@@ -59,7 +59,27 @@ class ServeOptions(BaseModel):
     max_prompt_chars: Optional[int] = Field(None, ge=1, description="longest prompt, or all messages' text together, "
                                             "in characters, refused before the chat template and tokenizer run; "
                                             "default: 16 per token of the context length")
+    lora: list[str] = Field(default_factory=list, description="NAME=DIR: a LoRA adapter (PEFT directory trained on "
+                            "CHECKPOINT) served beside it as model NAME; requests for different adapters share "
+                            "engine steps")
     engine: EngineOptions = Field(default_factory=EngineOptions)
+
+    @field_validator("lora")
+    @classmethod
+    def _name_dir(cls, v: list[str]) -> list[str]:
+        names = set()
+        for item in v:
+            name, sep, directory = item.partition("=")
+            if not sep or not name.strip() or not directory.strip():
+                raise ValueError(f"{item!r}: expected NAME=DIR (the model id clients send, the adapter directory)")
+            if name.strip() in names:
+                raise ValueError(f"adapter name {name.strip()!r} given twice")
+            names.add(name.strip())
+        return v
+
+    def adapters(self) -> dict[str, str]:
+        """--lora as {name: directory}."""
+        return {name.strip(): directory.strip() for name, _, directory in (i.partition("=") for i in self.lora)}
 
     @field_validator("allowed_hosts")
     @classmethod

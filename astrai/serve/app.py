@@ -123,12 +123,14 @@ class Server:
                              config.max_prompt_chars)
         self.defaults = engine.generation_defaults  # the checkpoint's generation_config.json, under each request
 
-    def submit(self, choices, end_of_turn: bool, streaming: bool, arrival: float) -> Stream:
+    def submit(self, choices, end_of_turn: bool, streaming: bool, arrival: float,
+               adapter: Optional[str] = None) -> Stream:
         if self.loop.in_flight + len(choices) > self.checks.capacity:
             waiting = max(self.loop.in_flight - self.engine.scheduler.max_running, 0)
             raise APIError(429, f"the server is busy: {waiting} request(s) already wait for a slot (--max-queue "
                                 f"{self.cfg.max_queue}); retry later", code="rate_limit_exceeded")
-        return self.loop.submit(choices, end_of_turn, streaming, arrival)
+        self.metrics.submitted(adapter, len(choices))
+        return self.loop.submit(choices, end_of_turn, streaming, arrival, adapter)
 
     async def collect(self, stream: Stream, request: Request) -> list:
         """Wait for every choice (non-streaming); a client that goes away cancels them."""
@@ -149,11 +151,10 @@ class Server:
         return stream.results
 
     async def _request(self, model: type, request: Request):
-        """The checked request body: key, JSON, fields, model id."""
+        """(the checked request body: key, JSON, fields, model id; the LoRA adapter its model id names, or None)."""
         self.checks.authorize(request.headers)
         req = parse(model, await request.body())
-        self.checks.check_model(req.model)
-        return req
+        return req, self.checks.check_model(req.model)
 
     def _params(self, req, ids: list[int], max_tokens: int, logprobs: Optional[int], logprobs_param: str,
                 prompt_param: str, n: int) -> list:
@@ -164,7 +165,7 @@ class Server:
     # ---- routes ----
     async def chat(self, request: Request):
         arrival = time.perf_counter()
-        req = await self._request(ChatRequest, request)
+        req, adapter = await self._request(ChatRequest, request)
         conversation = req.conversation()
         self.checks.check_size(conversation, "messages")
         self.checks.check_batch(req.n)
@@ -174,7 +175,7 @@ class Server:
         max_tokens = self.checks.max_tokens(len(ids), asked, param, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, ids, max_tokens, k, "top_logprobs", "messages", req.n)
-        stream = self.submit([(ids, p) for p in params], True, bool(req.stream), arrival)
+        stream = self.submit([(ids, p) for p in params], True, bool(req.stream), arrival, adapter)
         rid, model = new_id("chatcmpl"), req.model or self.cfg.model_name
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
@@ -187,7 +188,7 @@ class Server:
 
     async def completions(self, request: Request):
         arrival = time.perf_counter()
-        req = await self._request(CompletionRequest, request)
+        req, adapter = await self._request(CompletionRequest, request)
         prompts = req.prompts()
         for p in prompts:
             self.checks.check_size(p, "prompt")
@@ -198,7 +199,7 @@ class Server:
             max_tokens = self.checks.max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
             params = self._params(req, ids, max_tokens, req.logprobs, "logprobs", "prompt", req.n)
             choices += [(ids, p) for p in params]
-        stream = self.submit(choices, False, bool(req.stream), arrival)
+        stream = self.submit(choices, False, bool(req.stream), arrival, adapter)
         rid, model = new_id("cmpl"), req.model or self.cfg.model_name
         lens, want_lp = [len(p) for p in prompts], req.logprobs is not None
         if req.stream:
@@ -249,9 +250,11 @@ class Server:
 
     async def models(self, request: Request):
         self.checks.authorize(request.headers)
+        now, base = int(time.time()), self.cfg.model_name
         return JSONResponse({"object": "list", "data": [
-            {"id": self.cfg.model_name, "object": "model", "created": int(time.time()), "owned_by": "astrai",
-             "max_model_len": self.checks.context}]})
+            {"id": base, "object": "model", "created": now, "owned_by": "astrai", "max_model_len": self.checks.context},
+            *({"id": name, "object": "model", "created": now, "owned_by": "astrai", "parent": base,
+               "max_model_len": self.checks.context} for name in self.engine.adapter_names)]})
 
     async def health(self, request: Request):
         s = await self.loop.snapshot(wait=HEALTH_WAIT_S)

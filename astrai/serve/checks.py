@@ -51,10 +51,16 @@ class Checks:
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key "
                                 "the server was started with", code="invalid_api_key")
 
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name and name not in self.aliases:
-            raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+    def check_model(self, name: Optional[str]) -> Optional[str]:
+        """The LoRA adapter a request's model id names (None: the base); 404 for an id not served here."""
+        if name is None or name == self.model_name or name in self.aliases:
+            return None
+        adapters = self.engine.adapter_names
+        if name in adapters:
+            return name
+        served = ", ".join(f"`{m}`" for m in [self.model_name, *adapters])
+        raise APIError(404, f"The model `{name}` does not exist: this server serves {served}",
+                       param="model", code="model_not_found")
 
     def check_size(self, prompt, param: str) -> None:
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):  # token ids

@@ -85,11 +85,12 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, choices: list[tuple[list[int], object]], end_of_turn: bool, streaming: bool = True,
-               arrival: Optional[float] = None) -> Stream:
-        """choices: (prompt ids, SamplingParams) per engine request; end_of_turn: the prompts are conversations."""
+               arrival: Optional[float] = None, adapter: Optional[str] = None) -> Stream:
+        """choices: (prompt ids, SamplingParams) per engine request; end_of_turn: the prompts are conversations;
+        adapter: the LoRA adapter they run with (None: the base)."""
         stream = Stream(len(choices), streaming, arrival or time.perf_counter(), self._loop)
         self.in_flight += len(choices)
-        self._commands.put(("add", stream, choices, end_of_turn))
+        self._commands.put(("add", stream, choices, end_of_turn, adapter))
         return stream
 
     def cancel(self, stream: Stream) -> None:
@@ -198,10 +199,10 @@ class EngineLoop:
     def _apply(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, stream, choices, end_of_turn = cmd
+            _, stream, choices, end_of_turn, adapter = cmd
             for i, (ids, params) in enumerate(choices):
                 try:
-                    req = self.engine.add_request(ids, params, end_of_turn=end_of_turn)
+                    req = self.engine.add_request(ids, params, end_of_turn=end_of_turn, adapter=adapter)
                 except Exception as e:  # checked by the handler before; this one request fails, not the thread
                     self._post([(stream, Event(i, -1, "", None, "error", f"{type(e).__name__}: {e}"))])
                     continue

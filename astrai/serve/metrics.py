@@ -77,8 +77,13 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("astrai_inter_token_latency_seconds",
                              "Seconds between two consecutive tokens of one choice.", buckets=ITL_BUCKETS, registry=r)
+        self.by_model = Counter("astrai_model_requests", "Choices submitted, by the model id they ran with (the base "
+                                "or a LoRA adapter's name).", ["model"], registry=r)
         self.engine = _EngineSnapshot()
         r.register(self.engine)
+
+    def submitted(self, adapter, n: int) -> None:
+        self.by_model.labels(adapter or self.model).inc(n)
 
     def token(self, seconds: float, first: bool) -> None:
         (self.ttft if first else self.itl).observe(seconds)

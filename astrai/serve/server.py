@@ -99,9 +99,11 @@ def serve_main(options: ServeOptions, out=None) -> int:
     if note:
         print(f"astrai serve: {note}", file=out, flush=True)
     _set_threads(options.threads)
-    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base)
+    engine = Engine.from_checkpoint(options.checkpoint, options.engine, options.base, options.adapters())
     print(f"astrai serve: {engine.device.type}, {engine.dtype_reason}", file=out, flush=True)
     name = options.served_model_name or options.checkpoint
+    if name in engine.adapter_names:
+        raise ValueError(f"--lora {name}: the base is served under that name; give the adapter another one")
     aliases = frozenset({options.checkpoint, str(Path(options.checkpoint).resolve()),
                          Path(options.checkpoint).resolve().name}) - {name}
     api_key = options.api_key if options.api_key is not None else os.environ.get("ASTRAI_API_KEY") or None
