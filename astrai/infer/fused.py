@@ -85,15 +85,14 @@ class FusedModel:
 
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
-        lora = self.lora
-        # the model's own weights, one matmul per projection (not with adapters: their terms add to the packed groups)
-        own = self.own_rows[0] <= t <= self.own_rows[1] and lora is None
+        lora = self.lora  # LoRA adapters' terms, added to each projection group's output
+        own = self.own_rows[0] <= t <= self.own_rows[1]  # the model's own weights, one matmul per projection
         h = self.norm(x, w.attn_norm)
         if own:
             qkv = torch.cat([F.linear(h, *w.own[n]) for n in ("q", "k", "v")], 1)
         else:
             qkv = h @ w.qkv_t if w.qkv_b is None else torch.addmm(w.qkv_b, h, w.qkv_t)
-            qkv = _plus(qkv, lora and lora[0].delta(i, "qkv", h, lora[1]))
+        qkv = _plus(qkv, lora and lora[0].delta(i, "qkv", h, lora[1]))
         qkv = qkv.view(t, hq + 2 * hkv, d)
         qk = qkv[:, :hq + hkv]
         if w.qk_norm is not None:
@@ -111,11 +110,15 @@ class FusedModel:
         if w.experts is not None:
             y = experts_forward(h, w.experts, self.act, static)
             return x + (y if w.ffn_out_norm is None else self.norm(y, w.ffn_out_norm))
-        if own:
+        extra = lora and lora[0].delta(i, "gate_up", h, lora[1])
+        if own and extra is None:
             act = self.act(F.linear(h, *w.own["gate"])).mul_(F.linear(h, *w.own["up"]))
         else:
-            gu = h @ w.gate_up_t if w.gate_up_b is None else torch.addmm(w.gate_up_b, h, w.gate_up_t)
-            gu = _plus(gu, lora and lora[0].delta(i, "gate_up", h, lora[1]))
+            if own:
+                gu = torch.cat([F.linear(h, *w.own["gate"]), F.linear(h, *w.own["up"])], 1)
+            else:
+                gu = h @ w.gate_up_t if w.gate_up_b is None else torch.addmm(w.gate_up_b, h, w.gate_up_t)
+            gu = _plus(gu, extra)
             inter = gu.shape[-1] // 2
             act = self.act(gu[:, :inter]).mul_(gu[:, inter:])
         return self._residual(x, act, w.down_t, w.down_b, w.ffn_out_norm,
