@@ -42,9 +42,9 @@ class QuantError(ValueError):
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_torchao() -> Iterator[None]:
     """torchao logs a warning per CUDA extension it cannot load on a CPU-only torch (none is used here)."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    loggers = [logging.getLogger(n) for n in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
@@ -57,7 +57,7 @@ def _quiet() -> Iterator[None]:
 
 def _torchao():
     try:
-        with _quiet():
+        with quiet_torchao():
             import torchao.quantization as tq
             import torchao.quantization.utils as tu
     except ImportError as e:
