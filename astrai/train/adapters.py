@@ -18,7 +18,9 @@ copy of the weights.
 
 QLoRA (`lora.quantize_base: nf4`): after the adapters are added, the base's decoder projections are
 quantized to NF4 (lora.quantize_base), deterministically from the same checkpoint, so a resume
-rebuilds the very same frozen base. The files are those of LoRA: the adapters load over the
+rebuilds the very same frozen base (and every DDP rank the same one: the NF4 codes are buffers DDP
+does not broadcast). Under torchrun with parallel: fsdp it is refused (FSDP2 would shard and
+broadcast the NF4 tensors, which torchao does not implement for them). The files are those of LoRA: the adapters load over the
 full-precision base named in adapter_config.json (PEFT), and final/merged/ is the dequantized base
 with the adapters merged in.
 """
@@ -76,6 +78,10 @@ def add_adapters(model: CausalLM, options: TrainOptions) -> CausalLM:
         from astrai.model.quant import QuantError
         from astrai.train.run import TrainConfigError
 
+        if options.parallel == "fsdp" and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # FSDP2 would broadcast and shard the NF4 tensors, which torchao's NF4Tensor does not implement
+            raise TrainConfigError("train config: lora.quantize_base runs under parallel: ddp (each rank holds the "
+                                   "4-bit base, a fifth of float32's bytes), not fsdp; set parallel: ddp")
         try:
             quantize_base(model, options.lora.quantize_base)
         except QuantError as e:  # a dimension that does not divide the block, or torchao missing

@@ -139,3 +139,26 @@ def test_quantize_base_is_an_option_of_the_lora_block():
     assert TrainOptions(output="o", lora={"quantize_base": "nf4"}).lora.quantize_base == "nf4"
     with pytest.raises(ValueError, match="quantize_base"):
         TrainOptions(output="o", lora={"quantize_base": "int3"})
+
+
+def _script(out, *args, procs=1):
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "qlora_script.py")
+    launcher = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nproc_per_node", str(procs)]
+    return subprocess.run(launcher + [script, str(out), *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_ddp_on_two_processes_equals_one_and_fsdp_is_refused(tmp_path):
+    one = _script(tmp_path / "one", "--batch", "4")
+    two = _script(tmp_path / "two", "--batch", "2", procs=2)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (one, two))
+    assert len(a) == 3 and len(b) == 3
+    for x, y in zip(a, b):  # float32: the same sums, split over two ranks and reduced
+        assert abs(x - y) < 1e-5, (a, b)
+    fsdp = _script(tmp_path / "fsdp", "--batch", "2", "--parallel", "fsdp", procs=2)
+    assert fsdp.returncode != 0 and "REFUSED train config: lora.quantize_base runs under parallel: ddp" in fsdp.stdout
