@@ -16,6 +16,7 @@ Targets (issue 32): frozen base <= 0.2x its float32 bytes, peak RSS <= 0.6x, ste
 val loss within 2% of LoRA's.
 
 Run: python bench/qlora.py [--steps 6] [--row-len 512] [--val-rows 4] [--rounds 2] [--threads 2]
+     python bench/qlora.py --kernels   # NF4 quantize/dequantize against torchao's; int8/int4/nf4 batch-1 forwards
 """
 
 from __future__ import annotations
@@ -107,6 +108,42 @@ def child(a, mode: str):
                       "val_loss": round(after, 4)}))
 
 
+def kernels(a):
+    """NF4 quantize / dequantize, astrai's against torchao's own, and batch-1 forwards of the int8 / int4 /
+    NF4 layers against a float32 matmul, on SmolLM2's MLP shape (1536 x 576) and its embedding-sized
+    LM head (49152 x 576)."""
+    from torchao.quantization import to_nf4 as torchao_to_nf4
+
+    from astrai.model.quant import nf4_dequantize, nf4_scaler_block, quantize_linear, to_nf4
+
+    def timed(f, reps=5):
+        f()
+        t = time.perf_counter()
+        for _ in range(reps):
+            f()
+        return (time.perf_counter() - t) / reps
+
+    torch.manual_seed(0)
+    out = {}
+    for shape in ((1536, 576), (49152, 576)):
+        w = torch.randn(*shape) * 0.02
+        n = to_nf4(w)
+        key = "x".join(map(str, shape))
+        ours_q, theirs_q = timed(lambda: to_nf4(w), 2), timed(
+            lambda: torchao_to_nf4(w, 64, nf4_scaler_block(w.numel() // 64)), 2)
+        ours_d, theirs_d = timed(lambda: nf4_dequantize(n)), timed(lambda: n.get_original_weight())
+        out[f"{key} nf4 quantize s: astrai, torchao"] = [round(ours_q, 4), round(theirs_q, 4)]
+        out[f"{key} nf4 dequantize s: astrai, torchao"] = [round(ours_d, 4), round(theirs_d, 4)]
+        lin = torch.nn.Linear(shape[1], shape[0], bias=False)
+        x = torch.randn(1, shape[1])
+        base = timed(lambda: lin(x), 50)
+        with torch.no_grad():
+            for kind in ("int8", "int4", "nf4"):
+                q = quantize_linear(lin, kind)
+                out[f"{key} batch-1 forward / float32: {kind}"] = round(timed(lambda: q(x), 50) / base, 3)
+    print(json.dumps(out, indent=1))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6, help="training steps per child, the first a warm-up")
@@ -115,11 +152,14 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="lora, qlora children alternating this many times")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "astrai-bench-finetune"))
+    p.add_argument("--kernels", action="store_true", help="only the NF4 / int8 / int4 layer timings")
     p.add_argument("--child", choices=("lora", "qlora"), help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.child:
         return child(a, a.child)
+    if a.kernels:
+        return kernels(a)
     from child import run_child
 
     runs = {"lora": [], "qlora": []}

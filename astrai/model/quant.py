@@ -150,8 +150,8 @@ class _NF4Matmul(torch.autograd.Function):
 def to_nf4(w: torch.Tensor) -> torch.Tensor:
     """`w` as torchao's NF4Tensor, the codes and double-quantized scales torchao's `to_nf4` computes: the
     nearest code of each weight over its block's absmax, found by bisection on the midpoints of the
-    code book (one pass, not torchao's distance to all 16 codes: 50x faster on CPU; ties, of measure
-    zero, go to the lower code as in torchao)."""
+    code book (one pass instead of torchao's distance to all 16 codes; timed in bench/qlora.py
+    --kernels; ties, of measure zero, go to the lower code as in torchao)."""
     _torchao()
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
 
@@ -169,7 +169,8 @@ def to_nf4(w: torch.Tensor) -> torch.Tensor:
 
 def nf4_dequantize(t) -> torch.Tensor:
     """An NF4Tensor's values, as torchao's `get_original_weight` gives them, through a 256-entry table of
-    byte -> (high code, low code) values and one gather (15x faster on CPU)."""
+    byte -> (high code, low code) values and one gather (instead of two int64 code tensors and two
+    lookups; timed in bench/qlora.py --kernels)."""
     scales = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
     byte = torch.arange(256, device=t.nf4.device)
     pairs = torch.stack([t.nf4[byte >> 4], t.nf4[byte & 15]], -1)
