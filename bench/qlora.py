@@ -15,7 +15,7 @@ trained), with the same seed, adapters (rank 16 on every projection), lr and ste
 Targets (issue 32): frozen base <= 0.2x its float32 bytes, peak RSS <= 0.6x, step time <= 1.5x,
 val loss within 2% of LoRA's.
 
-Run: python bench/qlora.py [--steps 6] [--row-len 512] [--val-rows 4] [--rounds 2] [--threads 2]
+Run: python bench/qlora.py [--steps 6] [--row-len 512] [--val-rows 4] [--rounds 2] [--threads 2] [--return-freed]
      python bench/qlora.py --kernels   # NF4 quantize/dequantize against torchao's; int8/int4/nf4 batch-1 forwards
 """
 
@@ -69,6 +69,10 @@ def child(a, mode: str):
     from astrai.train.strategies import make_strategy
     from astrai.train.trainer import Trainer
 
+    if a.return_freed:  # before anything is loaded: every tensor of 256 KiB or more gets its own mapping
+        from astrai.train.host_memory import return_freed_memory
+
+        return_freed_memory()
     ckpt, data = prepare(a.row_len, Path(a.work))
     ds = ShardDataset(data)
     rows = pick_rows(data, a.steps + a.val_rows, a.row_len)
@@ -76,7 +80,8 @@ def child(a, mode: str):
     work = Path(tempfile.mkdtemp(prefix="bench-qlora-"))
     lora = {"quantize_base": "nf4"} if mode == "qlora" else {}
     opts = TrainOptions(data=str(data), output=str(work), model=str(ckpt), lr=LR, progress=False, save_every=10 ** 6,
-                        batch_size=1, warmup_steps=0, scheduler="constant", lora=lora, seed=0)
+                        batch_size=1, warmup_steps=0, scheduler="constant", lora=lora, seed=0,
+                        return_freed_memory=a.return_freed)
     model = load_model(ckpt)
     fp32_proj = sum(4 * m.in_features * m.out_features for n, m in model.model.layers.named_modules()
                     if isinstance(m, torch.nn.Linear))
@@ -101,7 +106,7 @@ def child(a, mode: str):
         secs.append(time.perf_counter() - t)
     peak = _peak_mb()
     after = trainer.validate()
-    print(json.dumps({"mode": mode, "projections_bytes": proj, "projections_fp32_bytes": fp32_proj,
+    print(json.dumps({"mode": mode, "return_freed_memory": a.return_freed, "projections_bytes": proj, "projections_fp32_bytes": fp32_proj,
                       "base_bytes": proj + rest, "base_fp32_bytes": fp32_base, "setup_s": round(setup_s, 1),
                       "rss_before_steps_mb": round(rss0), "peak_rss_mb": round(peak),
                       "step_s": round(statistics.mean(secs[1:]), 3), "val_loss_start": round(before, 4),
@@ -152,6 +157,8 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="lora, qlora children alternating this many times")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "astrai-bench-finetune"))
+    p.add_argument("--return-freed", action="store_true", help="both children with return_freed_memory: true "
+                   "(glibc returns freed tensors of 256 KiB or more to the system; astrai.train.host_memory)")
     p.add_argument("--kernels", action="store_true", help="only the NF4 / int8 / int4 layer timings")
     p.add_argument("--child", choices=("lora", "qlora"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -167,7 +174,8 @@ def main():
         for mode in ("lora", "qlora"):
             r, _, _ = run_child([sys.executable, __file__, "--child", mode, "--steps", str(a.steps), "--row-len",
                                  str(a.row_len), "--val-rows", str(a.val_rows), "--threads", str(a.threads),
-                                 "--work", a.work], cwd=str(HERE), what=f"{mode} child")
+                                 "--work", a.work] + (["--return-freed"] if a.return_freed else []),
+                                cwd=str(HERE), what=f"{mode} child")
             runs[mode].append(r)
             print(json.dumps(r), flush=True)
     lo, q = runs["lora"], runs["qlora"]
