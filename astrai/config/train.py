@@ -35,6 +35,9 @@ class LoraOptions(StrictModel):
                                       description=f"linear layers to adapt, by PEFT's names: {', '.join(LORA_TARGETS)}")
     merge: bool = Field(True, description="also write final/merged/: the base with the adapters merged in "
                                           "(a plain checkpoint)")
+    quantize_base: Optional[Literal["nf4"]] = Field(
+        None, description="QLoRA: hold the frozen base's decoder projections in 4-bit NormalFloat (blocks of 64, "
+                          "double-quantized scales; needs torchao), computed in `dtype`; null: as `dtype`")
 
     @classmethod
     def combination_problems(cls, data) -> list[tuple[tuple, str]]:

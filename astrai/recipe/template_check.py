@@ -32,9 +32,9 @@ def _tokenizer(identity: Optional[str]):
     if not identity or identity.startswith("stage:"):
         return None  # made by a stage that has not run: not known before any work
     try:
-        from astrai.model.packaged import PACKAGED, packaged_checkpoint
+        from astrai.model.packaged import PACKAGED, is_gguf, packaged_checkpoint
 
-        if identity.startswith("package:") and identity[len("package:"):] in PACKAGED:
+        if identity.startswith("package:") and identity[len("package:"):] in PACKAGED or is_gguf(identity):
             identity = str(packaged_checkpoint(identity))
         return load_tokenizer(identity)
     except (InputError, ValueError, OSError):  # the stage that names it reports its own problem

@@ -15,6 +15,14 @@ final/ = adapter_config.json + adapter_model.safetensors + the data's tokenizer,
 model.safetensors + tokenizer: a plain checkpoint for transformers, or for a later train stage).
 DPO and GRPO use the base with the adapters off as their reference (lora.BaseView): no second
 copy of the weights.
+
+QLoRA (`lora.quantize_base: nf4`): after the adapters are added, the base's decoder projections are
+quantized to NF4 (lora.quantize_base), deterministically from the same checkpoint, so a resume
+rebuilds the very same frozen base (and every DDP rank the same one: the NF4 codes are buffers DDP
+does not broadcast). Under torchrun with parallel: fsdp it is refused (FSDP2 would shard and
+broadcast the NF4 tensors, which torchao does not implement for them). The files are those of LoRA: the adapters load over the
+full-precision base named in adapter_config.json (PEFT), and final/merged/ is the dequantized base
+with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import torch
 from astrai.config.train import TrainOptions
 from astrai.model.adapter_files import save_adapter
 from astrai.model.hf_checkpoint import save_model
-from astrai.model.lora import BaseView, LoraSpec, apply_lora, has_adapters, merged_state
+from astrai.model.lora import BaseView, LoraSpec, apply_lora, has_adapters, merged_state, quantize_base
 from astrai.model.transformer import CausalLM
 
 MERGED = "merged"
@@ -66,6 +74,18 @@ def add_adapters(model: CausalLM, options: TrainOptions) -> CausalLM:
     """Freeze `model` and wrap its target layers; the adapters' initialisation follows the run's seed."""
     torch.manual_seed(options.seed)
     apply_lora(model, lora_spec(options), base=str(Path(options.model).resolve()))
+    if options.lora.quantize_base:
+        from astrai.model.quant import QuantError
+        from astrai.train.run import TrainConfigError
+
+        if options.parallel == "fsdp" and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # FSDP2 would broadcast and shard the NF4 tensors, which torchao's NF4Tensor does not implement
+            raise TrainConfigError("train config: lora.quantize_base runs under parallel: ddp (each rank holds the "
+                                   "4-bit base, a fifth of float32's bytes), not fsdp; set parallel: ddp")
+        try:
+            quantize_base(model, options.lora.quantize_base)
+        except QuantError as e:  # a dimension that does not divide the block, or torchao missing
+            raise TrainConfigError(f"train config: lora.quantize_base: {e}") from None
     return model
 
 
