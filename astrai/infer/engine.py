@@ -7,7 +7,10 @@
 One `step()` = schedule -> one forward -> sample -> stop checks; finished requests give their memory
 back at once (their written pages stay in the radix cache for later prompts). A request ends with
 finish_reason "stop" (a stop token id, the tokenizer's EOS unless ignore_eos, the chat template's
-end-of-turn token for conversations, or a stop string), "length" (max_tokens) or "abort".
+end-of-turn token for conversations, or a stop string, or the end of its grammar), "length"
+(max_tokens) or "abort". A request may carry a grammar (astrai.infer.grammar: a JSON schema, any
+JSON object, a Lark grammar): its tokens are masked to the grammar and its matcher advanced with
+each one; requests without one are not touched by it.
 
 Weights may change between steps (online RL copies a trainer's weights into the model in place):
 each step first calls `sync_weights()`, which refreshes the fused copies and drops every cached
@@ -33,6 +36,7 @@ from astrai.infer.cache import PagePool, pages_for
 from astrai.text.prompt import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
 from astrai.text.template import ChatTemplate
 from astrai.infer.detokenize import OutputText
+from astrai.infer.grammar import GrammarTokens
 from astrai.infer.kv_storage import KVStorage
 from astrai.infer.request import FINISHED, Request, SamplingParams, check_request
 from astrai.infer.runner import ModelRunner
@@ -73,6 +77,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     requests: int = 0
+    constrained_requests: int = 0  # requests held to a grammar
+    grammar_failures: int = 0  # tokens a request's grammar refused (ends that request)
 
     def as_dict(self, sched: Scheduler) -> dict:
         return {"requests": self.requests, "steps": self.steps, "prompt_tokens": self.prompt_tokens,
@@ -80,7 +86,8 @@ class EngineStats:
                 "tokens_per_second": self.generated_tokens / self.step_seconds if self.step_seconds else 0.0,
                 # share of the tokens requests brought at admission whose K/V came from the radix cache
                 "prefix_cache_hit_rate": sched.num_cached_tokens / max(sched.num_admitted_tokens, 1),
-                "preemptions": sched.num_preemptions}
+                "preemptions": sched.num_preemptions, "constrained_requests": self.constrained_requests,
+                "grammar_failures": self.grammar_failures}
 
 
 class Engine:
@@ -111,6 +118,7 @@ class Engine:
         self.asleep = False
         self._next_rid = 0
         self._texts: dict[int, OutputText] = {}
+        self.grammar = GrammarTokens(tokenizer, c.vocab_size, self.eos_ids)  # llguidance's vocabulary, built on use
 
     @property
     def template(self) -> Optional[ChatTemplate]:
@@ -165,9 +173,11 @@ class Engine:
         return encode_prompt(prompt, self.tokenizer, self.template if is_chat(prompt) else None)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    end_of_turn: Optional[bool] = None) -> Request:
+                    end_of_turn: Optional[bool] = None, grammar: Optional[str] = None) -> Request:
         """`end_of_turn`: also stop at the chat template's end-of-turn token; default: when the prompt is a
-        conversation (pass True with the ids of a conversation already rendered by `encode`)."""
+        conversation (pass True with the ids of a conversation already rendered by `encode`). `grammar`: an
+        llguidance grammar (astrai.infer.grammar.json_grammar, lark_grammar) the output is held to; one the
+        grammar engine cannot compile raises GrammarError (an InvalidRequest) before anything is queued."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         check_request(ids, params, self.model.config.vocab_size, isinstance(prompt, str) or is_chat(prompt))
@@ -178,9 +188,12 @@ class Engine:
             stop_ids |= self.eos_ids | ({self.eot_id} if end_of_turn and self.eot_id is not None else set())
         req = Request(self._next_rid, ids, params, frozenset(stop_ids))
         req.generator = make_generator(params.seed, self.device)
+        if grammar is not None:
+            req.matcher = self.grammar.matcher(grammar)
         self.scheduler.add(req)  # raises RequestTooLarge for a request that can never fit
         self._next_rid += 1
         self.stats.requests += 1
+        self.stats.constrained_requests += grammar is not None
         self.stats.prompt_tokens += len(ids)
         if self.tokenizer is not None:
             self._texts[req.rid] = OutputText(self.tokenizer.tok, ids, params.stop)
@@ -267,6 +280,12 @@ class Engine:
             delta = text.push(token)
             if text.stop_string is not None:
                 reason, req.stop_reason = "stop", text.stop_string
+        if reason is None and req.matcher is not None:
+            if not req.matcher.advance(token):
+                self.stats.grammar_failures += 1
+                reason = "stop"
+            elif req.matcher.done:  # the grammar takes nothing more: the output is complete
+                reason = "stop"
         if reason is None and req.num_output >= req.params.max_tokens:
             reason = "length"
         if reason is not None:
@@ -284,9 +303,10 @@ class Engine:
                           (s.finished or time.perf_counter()) - s.arrival)
 
     # ---- whole calls ----
-    def stream(self, prompts: Sequence[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-               ) -> Iterator[StreamEvent]:
-        """Events as tokens are sampled, across all prompts (continuous batching), in sampling order."""
+    def stream(self, prompts: Sequence[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+               grammar: Optional[str] = None) -> Iterator[StreamEvent]:
+        """Events as tokens are sampled, across all prompts (continuous batching), in sampling order;
+        `grammar`: every answer held to it (add_request)."""
         if isinstance(params, SamplingParams) or params is None:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -295,7 +315,7 @@ class Engine:
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 try:
-                    index[self.add_request(p, sp).rid] = i
+                    index[self.add_request(p, sp, grammar=grammar).rid] = i
                 except InvalidRequest as e:  # which request: the caller maps it to a file line
                     raise InvalidRequest(str(e), i) from None
             while any(self._live(index)):
@@ -316,11 +336,12 @@ class Engine:
                 yield req
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[Completion]:
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 grammar: Optional[str] = None) -> list[Completion]:
         if isinstance(prompts, str) or is_chat(prompts) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         out: list[Optional[Completion]] = [None] * len(prompts)
-        for ev in self.stream(prompts, params):
+        for ev in self.stream(prompts, params, grammar):
             if ev.completion is not None:
                 out[ev.index] = ev.completion
         return out

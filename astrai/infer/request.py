@@ -62,6 +62,7 @@ class Request:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
     stop_reason: Optional[object] = None  # the stop token id or stop string that ended it
     generator: Optional[object] = None  # torch.Generator when seeded
+    matcher: Optional[object] = None  # astrai.infer.grammar.Matcher when the output is held to a grammar
     logprobs: list = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
 

@@ -16,8 +16,13 @@ and never on which other requests share the batch (or on a preemption in between
 draw theirs from the process RNG in one call. The cumulative sums are float32: a token's
 probability is kept to about 1e-7 of the row's total.
 
+Rows whose request has a grammar (astrai.infer.grammar: structured output, forced tool calls) get
+the grammar's mask first, after the penalty and before greedy or warping: a token the grammar cannot
+take next is -inf. Only those rows are gathered, masked and written back; the other rows of the step
+are not touched, so their tokens are the same with or without a constrained neighbour.
+
 Logprobs (when asked) are of the model's own distribution, log_softmax of the raw logits, before
-penalty and warping, like vLLM's default.
+penalty, grammar mask and warping, like vLLM's default.
 """
 
 from __future__ import annotations
@@ -83,6 +88,15 @@ def warp(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
+def apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
+    """In place on `rows` (requests with a matcher): tokens their grammar cannot take next set to -inf."""
+    vocab = logits.shape[-1]
+    allowed = torch.stack([reqs[b].matcher.allowed(reqs[b].stop_ids, vocab, logits.device) for b in rows])
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 def uniforms(reqs: list[Request], device) -> torch.Tensor:
     """One U[0, 1) per request: from its own generator when seeded, else from the process RNG."""
     u = torch.rand(len(reqs), device=device)
@@ -124,6 +138,9 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[O
     raw = logits
     if any(r.params.repetition_penalty != 1.0 for r in reqs):
         logits = apply_repetition_penalty(logits.clone(), reqs)
+    constrained = [b for b, r in enumerate(reqs) if r.matcher is not None]
+    if constrained:
+        logits = apply_grammar(logits.clone() if logits is raw else logits, reqs, constrained)
     tokens = first_argmax(logits)
     rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if rows:
