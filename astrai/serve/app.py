@@ -10,7 +10,8 @@ Before a handler runs, the Guard middleware (guard.py) checks the Host header, t
 POST bodies and the body's size and arrival time. A handler then parses the body (protocol.py: 400
 with the field) and runs the checks of checks.py in order of cost: sizes and the number of choices
 before any tokenizing, the chat template and tokenizer in a worker thread, then the context (prompt
-+ max_tokens, both numbers named) and the vocabulary. Each choice samples with the request's own
++ max_tokens, both numbers named), the vocabulary, and the grammar of `response_format` (structured.py:
+compiled by the grammar engine, or a 400 saying why). Each choice samples with the request's own
 values over the checkpoint's generation_config.json (as `astrai generate` and `astrai chat` do). The
 choices go to the engine loop (429 when `--max-queue` requests already wait) and their tokens come
 back. A client that disconnects, or stops reading a stream for `--stall-timeout` seconds, cancels its
@@ -44,6 +45,7 @@ from astrai.serve.metrics import Metrics
 from astrai.serve.protocol import APIError, ChatRequest, CompletionRequest, parse, sampling_params
 from astrai.serve.responses import (DONE, ChunkWriter, NotFinite, TokenText, chat_logprobs, chat_response,
                                     completion_logprobs, new_id, sse_error, text_response, usage)
+from astrai.serve.structured import response_format
 
 SHUTTING_DOWN = "the server is shutting down: the request was cancelled"
 HEALTH_WAIT_S = 0.5  # longer inside one engine step: /health answers with the last snapshot's figures, "stale": true
@@ -123,12 +125,12 @@ class Server:
                              config.max_prompt_chars)
         self.defaults = engine.generation_defaults  # the checkpoint's generation_config.json, under each request
 
-    def submit(self, choices, end_of_turn: bool, streaming: bool, arrival: float) -> Stream:
+    def submit(self, choices, end_of_turn: bool, streaming: bool, arrival: float, grammar=None) -> Stream:
         if self.loop.in_flight + len(choices) > self.checks.capacity:
             waiting = max(self.loop.in_flight - self.engine.scheduler.max_running, 0)
             raise APIError(429, f"the server is busy: {waiting} request(s) already wait for a slot (--max-queue "
                                 f"{self.cfg.max_queue}); retry later", code="rate_limit_exceeded")
-        return self.loop.submit(choices, end_of_turn, streaming, arrival)
+        return self.loop.submit(choices, end_of_turn, streaming, arrival, grammar)
 
     async def collect(self, stream: Stream, request: Request) -> list:
         """Wait for every choice (non-streaming); a client that goes away cancels them."""
@@ -174,7 +176,8 @@ class Server:
         max_tokens = self.checks.max_tokens(len(ids), asked, param, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, ids, max_tokens, k, "top_logprobs", "messages", req.n)
-        stream = self.submit([(ids, p) for p in params], True, bool(req.stream), arrival)
+        grammar = await response_format(self.engine, req, self.metrics)
+        stream = self.submit([(ids, p) for p in params], True, bool(req.stream), arrival, grammar)
         rid, model = new_id("chatcmpl"), req.model or self.cfg.model_name
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
@@ -198,7 +201,8 @@ class Server:
             max_tokens = self.checks.max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
             params = self._params(req, ids, max_tokens, req.logprobs, "logprobs", "prompt", req.n)
             choices += [(ids, p) for p in params]
-        stream = self.submit(choices, False, bool(req.stream), arrival)
+        grammar = await response_format(self.engine, req, self.metrics)
+        stream = self.submit(choices, False, bool(req.stream), arrival, grammar)
         rid, model = new_id("cmpl"), req.model or self.cfg.model_name
         lens, want_lp = [len(p) for p in prompts], req.logprobs is not None
         if req.stream:

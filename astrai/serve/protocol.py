@@ -79,6 +79,7 @@ class _Common(_Strict):
     ignore_eos: Optional[bool] = False
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
+    response_format: Optional[dict[str, Any]] = None  # text, json_object, json_schema (astrai.serve.structured)
     # accepted at their neutral values only (OpenAI clients send them)
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
@@ -110,7 +111,6 @@ class ChatRequest(_Common):
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
 
     def neutral_fields(self) -> None:
         super().neutral_fields()
@@ -118,9 +118,6 @@ class ChatRequest(_Common):
             raise APIError(400, "tools are not supported by this server", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice is not supported by this server", param="tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "response_format other than {'type': 'text'} is not supported",
-                           param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 

@@ -129,3 +129,36 @@ def test_json_object_is_any_object(engine):
             assert isinstance(json.loads(c.text), dict), c.text
         else:  # a random model may still be inside a string at max_tokens: what it wrote is a prefix the grammar took
             assert validate(engine.grammar, g, c.token_ids) == len(c.token_ids)
+
+
+def test_generate_json_schema_flag(checkpoint, tmp_path, capsys):
+    from astrai.cli import main
+
+    schema = tmp_path / "answer.schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello", "the quick brown", "yes no")))
+    rc = main(["generate", str(checkpoint), "--input", str(inp), "--json-schema", str(schema), "--temperature", "1",
+               "--seed", "4", "--max-tokens", "150", "--device", "cpu", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    recs = [json.loads(line) for line in out.splitlines()]
+    assert len(recs) == 3
+    for r in recs:
+        assert r["finish_reason"] == "stop" and valid(json.loads(r["text"]), SCHEMA), r
+
+
+@pytest.mark.parametrize("content,words", [
+    ('{"type": "frobnicate"}', "frobnicate"),
+    ('[1, 2]', "must be an object"),
+    ('{"type": ', "invalid JSON"),
+])
+def test_generate_bad_json_schema_file_is_one_line(checkpoint, tmp_path, capsys, content, words):
+    from astrai.cli import main
+
+    schema = tmp_path / "bad.json"
+    schema.write_text(content)
+    rc = main(["generate", str(checkpoint), "--prompt", "hello", "--json-schema", str(schema), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: ") and str(schema) in err and words in err, err
+    assert len(err.strip().splitlines()) == 1
