@@ -167,10 +167,10 @@ class Engine:
         return engine
 
     # ---- requests ----
-    def encode(self, prompt: Prompt) -> list[int]:
-        """The token ids of a prompt (a conversation rendered with the chat template); no engine state is
-        touched, so a server may call it outside the thread that steps the engine."""
-        return encode_prompt(prompt, self.tokenizer, self.template if is_chat(prompt) else None)
+    def encode(self, prompt: Prompt, tools: Optional[list] = None) -> list[int]:
+        """The token ids of a prompt (a conversation rendered with the chat template, and `tools` when given); no
+        engine state is touched, so a server may call it outside the thread that steps the engine."""
+        return encode_prompt(prompt, self.tokenizer, self.template if is_chat(prompt) else None, tools)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     end_of_turn: Optional[bool] = None, grammar: Optional[str] = None) -> Request:

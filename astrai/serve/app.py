@@ -45,7 +45,8 @@ from astrai.serve.metrics import Metrics
 from astrai.serve.protocol import APIError, ChatRequest, CompletionRequest, parse, sampling_params
 from astrai.serve.responses import (DONE, ChunkWriter, NotFinite, TokenText, chat_logprobs, chat_response,
                                     completion_logprobs, new_id, sse_error, text_response, usage)
-from astrai.serve.structured import response_format
+from astrai.serve.structured import chat_grammar, response_format
+from astrai.serve.tools import HeldText, answer_calls, arguments_as_objects, check_tools
 
 SHUTTING_DOWN = "the server is shutting down: the request was cancelled"
 HEALTH_WAIT_S = 0.5  # longer inside one engine step: /health answers with the last snapshot's figures, "stale": true
@@ -167,26 +168,37 @@ class Server:
     async def chat(self, request: Request):
         arrival = time.perf_counter()
         req = await self._request(ChatRequest, request)
-        conversation = req.conversation()
+        tool_fmt = check_tools(req, self.engine.template)  # the template's tool-call format, when tools are given
+        conversation = arguments_as_objects(req.conversation())
         self.checks.check_size(conversation, "messages")
+        if req.tools:
+            self.checks.check_size(req.tools, "tools")
         self.checks.check_batch(req.n)
-        ids = await self.checks.encode(conversation, "messages")
+        ids = await self.checks.encode(conversation, "messages", req.tools if tool_fmt else None)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.checks.max_tokens(len(ids), asked, param, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, ids, max_tokens, k, "top_logprobs", "messages", req.n)
-        grammar = await response_format(self.engine, req, self.metrics)
+        grammar = await chat_grammar(self.engine, req, tool_fmt, self.metrics)
         stream = self.submit([(ids, p) for p in params], True, bool(req.stream), arrival, grammar)
         rid, model = new_id("chatcmpl"), req.model or self.cfg.model_name
+        calls_fmt = tool_fmt if req.tool_choice != "none" else None  # answers parsed for tool calls
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._chunks(stream, ChunkWriter(rid, model, True, include), include, bool(req.logprobs), [len(ids)])
+            body = self._chunks(stream, ChunkWriter(rid, model, True, include), include, bool(req.logprobs), [len(ids)],
+                                calls_fmt=calls_fmt)
             return EventStream(body, lambda: self.loop.cancel(stream), self.cfg.stall_timeout)
         done = await self.collect(stream, request)
         if done is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        return JSONResponse(_finite(chat_response, rid, model, done, bool(req.logprobs), self.tt))
+        body = _finite(chat_response, rid, model, done, bool(req.logprobs), self.tt)
+        for choice, c in zip(body["choices"], done) if calls_fmt else ():
+            content, calls = answer_calls(calls_fmt, c, self.engine.tokenizer)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
+        return JSONResponse(body)
 
     async def completions(self, request: Request):
         arrival = time.perf_counter()
@@ -215,8 +227,12 @@ class Server:
         return JSONResponse(_finite(text_response, rid, model, done, want_lp, self.tt, lens, req.n))
 
     async def _chunks(self, stream: Stream, w: ChunkWriter, include_usage: bool, want_lp: bool,
-                      prompt_lens: list[int], n: Optional[int] = None) -> AsyncIterator[bytes]:
+                      prompt_lens: list[int], n: Optional[int] = None, calls_fmt: Optional[str] = None
+                      ) -> AsyncIterator[bytes]:
+        """`calls_fmt`: the answers may hold tool calls in that format: text from a possible call on is held
+        back and sent as tool_calls deltas at the end (or as content when it held no call)."""
         total = len(stream.results)
+        held = [HeldText(calls_fmt) for _ in range(total)] if calls_fmt else None
         if w.chat:
             yield b"".join(w.role(i) for i in range(total))
         offsets = [0] * total
@@ -240,11 +256,24 @@ class Server:
                         self.loop.cancel(stream)
                         yield b"".join(out) + sse_error(_not_finite(e).body()) + DONE
                         return
-                if ev.text or lp is not None:
-                    out.append(w.text(ev.index, ev.text, lp))
-                    offsets[ev.index] += len(ev.text)
-                if ev.finish_reason is not None:
-                    out.append(w.finish(ev.index, ev.finish_reason))
+                text, reason = ev.text, ev.finish_reason
+                if held is not None:
+                    text = held[ev.index].push(text)
+                    if reason is not None and reason != "error":
+                        content, calls = answer_calls(calls_fmt, ev.completion, self.engine.tokenizer)
+                        if calls:
+                            out += [w.text(ev.index, content[offsets[ev.index]:])] if content and \
+                                len(content) > offsets[ev.index] else []
+                            out.append(w.tool_calls(ev.index, calls))
+                            out.append(w.finish(ev.index, "tool_calls"))
+                            left -= 1
+                            continue
+                        text += held[ev.index].rest()
+                if text or lp is not None:
+                    out.append(w.text(ev.index, text, lp))
+                    offsets[ev.index] += len(text)
+                if reason is not None:
+                    out.append(w.finish(ev.index, reason))
                     left -= 1
             yield b"".join(out)
         if include_usage:

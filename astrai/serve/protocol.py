@@ -4,7 +4,8 @@ A body is parsed strictly (JSON types as the OpenAI API declares them: a string 
 expected is a 400, not a guess); an unknown field is refused as OpenAI refuses it ("Unrecognized
 request argument"), so a misspelled option is never silently ignored. Fields OpenAI clients send
 that this engine cannot honour are accepted only at their neutral value (presence_penalty 0, no
-logit_bias, no tools, echo false, ...). Sampling values are checked by the engine's own
+logit_bias, echo false, ...); `tools`, `tool_choice` and `response_format` are read by tools.py and
+structured.py. Sampling values are checked by the engine's own
 SamplingParams model (astrai.config.infer), the one `astrai generate` uses: one set of rules.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the status codes
@@ -114,10 +115,6 @@ class ChatRequest(_Common):
 
     def neutral_fields(self) -> None:
         super().neutral_fields()
-        if self.tools:
-            raise APIError(400, "tools are not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice is not supported by this server", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from astrai.infer.grammar import GrammarError, response_format_grammar
+from astrai.infer.grammar import GrammarError, lark_grammar, response_format_grammar
 from astrai.serve.protocol import APIError
+from astrai.serve.tools import forced_call_lark
 
 
 def _kind(fmt) -> str:
@@ -31,6 +32,24 @@ async def checked_grammar(engine, grammar: Optional[str], param: str, metrics=No
         if metrics is not None:
             metrics.grammar_errors.inc()
         raise APIError(400, f"{param}: the grammar engine cannot use this schema: {e}", param=param) from None
+    return grammar
+
+
+async def chat_grammar(engine, req, tool_fmt: Optional[str], metrics=None) -> Optional[str]:
+    """A chat request's grammar: a forced tool call (tool_choice "required" or a named function, in the
+    template's format `tool_fmt`) before `response_format`."""
+    tok = engine.tokenizer
+
+    def special(text: str) -> Optional[int]:
+        tid = tok.tok.token_to_id(text) if tok is not None else None
+        return tid if tid is not None and tid in tok.special_ids else None
+
+    lark = forced_call_lark(req, tool_fmt, special) if tool_fmt else None
+    if lark is None:
+        return await response_format(engine, req, metrics)
+    grammar = await checked_grammar(engine, lark_grammar(lark), "tools", metrics)
+    if metrics is not None:
+        metrics.constrained.labels("tool_call").inc()
     return grammar
 
 
