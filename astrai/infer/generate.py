@@ -12,8 +12,8 @@ list of messages) with the chat template and the generation prompt; `--input` re
 holding "prompt" or "messages" (optionally "sampling": that record's own sampling keys). `-` reads
 standard input. Several requests are generated together (continuous batching). `--json-schema FILE`
 holds every answer to JSON valid against that schema (astrai.infer.grammar: the tokens the schema
-cannot take next are masked while sampling); the schema is read and checked before the model is
-loaded, and compiled against the tokenizer before the first token.
+cannot take next are masked while sampling); the schema is read and compiled before the model is
+loaded, and checked against the tokenizer before the first token.
 
 What is printed: on a terminal, --chat and --input show each conversation (or prompt) and its
 answer as text, one request streamed as it is generated; with --output FILE, --json, or when
@@ -103,11 +103,13 @@ def generate_main(options: GenerateOptions, out=None, err=None, stdin=None) -> i
 def _schema_grammar(path: str) -> str:
     """The grammar of the JSON Schema in file `path`; InputError naming the file when it is not one."""
     from astrai import json_bounded
-    from astrai.infer.grammar import json_grammar
+    from astrai.infer.grammar import check_grammar, json_grammar
 
     schema = json_bounded.read_json(path, "--json-schema file", MAX_SCHEMA_BYTES)
     try:
-        return json_grammar(schema)
+        grammar = json_grammar(schema)
+        check_grammar(grammar)  # without the tokenizer: before the model is loaded
+        return grammar
     except InvalidRequest as e:
         raise InputError(f"--json-schema {path}: {e}") from None
 

@@ -55,6 +55,16 @@ def json_grammar(schema: Optional[dict] = None) -> str:
         raise GrammarError(f"invalid JSON schema: {e}") from None
 
 
+def check_grammar(grammar: str, ll=None) -> None:
+    """GrammarError naming why llguidance cannot use `grammar` (an unsupported keyword, a bad type, a missing
+    $ref); `ll`: the LLTokenizer to check it against (None: the grammar alone, no tokenizer needed)."""
+    import llguidance
+
+    problem = llguidance.LLMatcher.validate_grammar(grammar, ll)
+    if problem:
+        raise GrammarError(problem.strip().splitlines()[0])
+
+
 def lark_grammar(lark: str) -> str:
     import llguidance
 
@@ -84,12 +94,8 @@ class GrammarTokens:
             return self._ll
 
     def check(self, grammar: str) -> None:
-        """GrammarError naming why the grammar engine cannot use `grammar` (an unsupported keyword, a bad type)."""
-        import llguidance
-
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
-        if problem:
-            raise GrammarError(problem.strip().splitlines()[0])
+        """check_grammar against this vocabulary."""
+        check_grammar(grammar, self.ll)
 
     def matcher(self, grammar: str) -> "Matcher":
         return Matcher(self, grammar)

@@ -162,3 +162,14 @@ def test_generate_bad_json_schema_file_is_one_line(checkpoint, tmp_path, capsys,
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("error: ") and str(schema) in err and words in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_generate_refuses_a_bad_schema_before_loading_the_model(tmp_path, capsys):
+    from astrai.cli import main
+
+    schema = tmp_path / "bad.json"
+    schema.write_text('{"type": "frobnicate"}')
+    rc = main(["generate", str(tmp_path / "no-such-checkpoint"), "--prompt", "hi", "--json-schema", str(schema),
+               "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "frobnicate" in err and "no-such-checkpoint" not in err, err
