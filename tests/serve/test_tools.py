@@ -7,7 +7,7 @@ import json
 import pytest
 from serving import ServerProcess, assert_error
 
-from astrai.serve.tools import parse_tool_calls, tool_format
+from astrai.serve.tools import HeldText, parse_tool_calls, tool_format
 from astrai.text.template import resolve_template
 
 openai = pytest.importorskip("openai")
@@ -55,6 +55,20 @@ def test_answers_without_a_parseable_call_stay_content(fmt, text):
     assert parse_tool_calls(fmt, text) == (text, [])
 
 
+@pytest.mark.parametrize("fmt,pieces,released", [
+    ("hermes", ["Let me ", "check.\n<tool", "_call>\n{\"name\"", ": 1}"], "Let me check.\n"),
+    ("hermes", ["It is <b>", "sunny</b>."], "It is <b>sunny</b>."),  # "<" that starts no call is released
+    ("llama3", ["  ", '{"name"', ': "a"}'], ""),
+    ("llama3", ["Paris ", "is {big}"], "Paris is {big}"),
+])
+def test_streamed_text_holds_back_what_may_be_a_call(fmt, pieces, released):
+    h = HeldText(fmt)
+    out = "".join(h.push(p) for p in pieces)
+    if not h.holding:
+        out += h.rest()
+    assert out == released
+
+
 @pytest.mark.parametrize("name,fmt", [("qwen", "hermes"), ("llama3", "llama3"), ("chatml", None), ("mistral", None)])
 def test_format_of_the_bundled_templates(name, fmt):
     assert tool_format(resolve_template(name)) == fmt
@@ -78,7 +92,10 @@ def valid_weather(call) -> None:
     assert set(a) == {"city", "days"} and type(a["days"]) is int
 
 
-def test_named_tool_choice_forces_a_valid_call(qclient, serve_checkpoint):
+def test_named_tool_choice_forces_a_valid_call(qclient, serve_checkpoint, qwen_server):
+    from test_health_metrics import scrape, value
+
+    before = value(scrape(qwen_server), "astrai_constrained_requests_total", kind="tool_call")
     r = qclient.chat.completions.create(model=str(serve_checkpoint), messages=ASK, tools=TOOLS, n=4, seed=3,
                                         temperature=1.0, max_tokens=120,
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -86,6 +103,7 @@ def test_named_tool_choice_forces_a_valid_call(qclient, serve_checkpoint):
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
         assert c.message.tool_calls[0].id.startswith("call_") and c.message.tool_calls[0].type == "function"
         valid_weather(c.message.tool_calls[0])
+    assert value(scrape(qwen_server), "astrai_constrained_requests_total", kind="tool_call") - before == 1
 
 
 def test_required_tool_choice_streams_tool_call_deltas(qclient, serve_checkpoint):
