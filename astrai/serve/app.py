@@ -10,8 +10,9 @@ Before a handler runs, the Guard middleware (guard.py) checks the Host header, t
 POST bodies and the body's size and arrival time. A handler then parses the body (protocol.py: 400
 with the field) and runs the checks of checks.py in order of cost: sizes and the number of choices
 before any tokenizing, the chat template and tokenizer in a worker thread, then the context (prompt
-+ max_tokens, both numbers named), the vocabulary, and the grammar of `response_format` (structured.py:
-compiled by the grammar engine, or a 400 saying why). Each choice samples with the request's own
++ max_tokens, both numbers named), the vocabulary, and the grammar of `response_format` or of a forced
+tool call (structured.py: compiled by the grammar engine, or a 400 saying why). `tools` are rendered
+by the chat template and calls parsed back from the answers (tools.py). Each choice samples with the request's own
 values over the checkpoint's generation_config.json (as `astrai generate` and `astrai chat` do). The
 choices go to the engine loop (429 when `--max-queue` requests already wait) and their tokens come
 back. A client that disconnects, or stops reading a stream for `--stall-timeout` seconds, cancels its
