@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from astrai.infer.request import Request
@@ -90,10 +91,12 @@ def warp(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 def apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
     """In place on `rows` (requests with a matcher): tokens their grammar cannot take next set to -inf."""
-    vocab = logits.shape[-1]
-    allowed = torch.stack([reqs[b].matcher.allowed(reqs[b].stop_ids, vocab, logits.device) for b in rows])
+    allowed = np.empty((len(rows), logits.shape[-1]), dtype=bool)
+    for i, b in enumerate(rows):
+        reqs[b].matcher.fill(allowed[i], reqs[b].stop_ids)
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    mask = torch.from_numpy(allowed).to(logits.device)
+    logits[index] = logits[index].masked_fill(~mask, float("-inf"))
     return logits
 
 
