@@ -18,8 +18,9 @@ probability is kept to about 1e-7 of the row's total.
 
 Rows whose request has a grammar (astrai.infer.grammar: structured output, forced tool calls) get
 the grammar's mask first, after the penalty and before greedy or warping: a token the grammar cannot
-take next is -inf. Only those rows are gathered, masked and written back; the other rows of the step
-are not touched, so their tokens are the same with or without a constrained neighbour.
+take next is -inf. Only those rows are masked (the whole block in one op when every row is
+constrained); the other rows' logits are left as they are, so their tokens are the same with or
+without a constrained neighbour, and a step with no constrained row does no grammar work at all.
 
 Logprobs (when asked) are of the model's own distribution, log_softmax of the raw logits, before
 penalty, grammar mask and warping, like vLLM's default.
@@ -90,14 +91,18 @@ def warp(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 def apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
-    """In place on `rows` (requests with a matcher): tokens their grammar cannot take next set to -inf."""
+    """`logits` with the tokens the grammar of each of `rows` (requests with a matcher) cannot take next at
+    -inf: a new tensor; `logits` itself is left as it was."""
     allowed = np.empty((len(rows), logits.shape[-1]), dtype=bool)
     for i, b in enumerate(rows):
         reqs[b].matcher.fill(allowed[i], reqs[b].stop_ids)
-    index = torch.tensor(rows, device=logits.device)
     mask = torch.from_numpy(allowed).to(logits.device)
-    logits[index] = logits[index].masked_fill(~mask, float("-inf"))
-    return logits
+    if len(rows) == logits.shape[0]:  # every row constrained: one op, no gather or scatter
+        return logits.masked_fill(~mask, float("-inf"))
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(~mask, float("-inf"))
+    return out
 
 
 def uniforms(reqs: list[Request], device) -> torch.Tensor:
@@ -143,7 +148,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[O
         logits = apply_repetition_penalty(logits.clone(), reqs)
     constrained = [b for b, r in enumerate(reqs) if r.matcher is not None]
     if constrained:
-        logits = apply_grammar(logits.clone() if logits is raw else logits, reqs, constrained)
+        logits = apply_grammar(logits, reqs, constrained)
     tokens = first_argmax(logits)
     rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if rows:

@@ -62,7 +62,7 @@ def test_mask_is_exactly_the_tokens_the_grammar_takes(engine):
         ref = [t for t in range(vocab) if t != eos and m.deep_copy().try_consume_tokens([t]) == 1]
         logits = torch.randn(1, vocab)
         token = sample(logits.clone(), [req])[0][0]
-        masked = apply_grammar(logits.clone(), [req], [0])
+        masked = apply_grammar(logits, [req], [0])
         allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
         assert sorted(set(allowed) - {eos}) == ref
         assert (eos in allowed) == m.is_accepting()
@@ -173,3 +173,21 @@ def test_generate_refuses_a_bad_schema_before_loading_the_model(tmp_path, capsys
                "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 1 and "frobnicate" in err and "no-such-checkpoint" not in err, err
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_logprobs_of_a_constrained_row_are_the_models_own(engine, mixed):
+    """The mask picks the token; the logprobs reported are log_softmax of the unmasked logits (vLLM's default)."""
+    vocab = engine.model.config.vocab_size
+    g = lark_grammar('start: "yes" | "no"')
+    req = Request(0, [5, 6], SamplingParams(temperature=0.0, logprobs=2), frozenset())
+    req.matcher = engine.grammar.matcher(g)
+    reqs = [req] + ([Request(1, [5], SamplingParams(temperature=0.0))] if mixed else [])
+    logits = torch.randn(len(reqs), vocab)
+    tokens, lps = sample(logits.clone(), reqs)
+    ref = logits[0].log_softmax(-1)
+    assert lps[0].token_id == tokens[0] and lps[0].logprob == pytest.approx(float(ref[tokens[0]]), abs=1e-5)
+    assert [t for t, _ in lps[0].top] == ref.topk(2).indices.tolist()
+    assert req.matcher.m.deep_copy().try_consume_tokens([tokens[0]]) == 1
+    if mixed:
+        assert tokens[1] == int(logits[1].argmax())
