@@ -102,6 +102,9 @@ class GenerateOptions(BaseModel):
                                  "standard input")
     output: Optional[str] = Field(None, description="write JSONL results here, one line per request as it finishes "
                                   "(its index is the input's position); default: standard output")
+    json_schema: Optional[str] = Field(None, description="JSON Schema file: every answer is JSON valid against it "
+                                       "(constrained decoding; a schema the grammar engine cannot compile is an "
+                                       "error before generation)")
     as_json: bool = Field(False, description="flag --json: JSONL on standard output even on a terminal (where "
                           "--chat and --input print the conversations and answers as text)",
                           json_schema_extra={"flag": "--json"})

@@ -7,7 +7,10 @@
 One `step()` = schedule -> one forward -> sample -> stop checks; finished requests give their memory
 back at once (their written pages stay in the radix cache for later prompts). A request ends with
 finish_reason "stop" (a stop token id, the tokenizer's EOS unless ignore_eos, the chat template's
-end-of-turn token for conversations, or a stop string), "length" (max_tokens) or "abort".
+end-of-turn token for conversations, or a stop string, or the end of its grammar), "length"
+(max_tokens) or "abort". A request may carry a grammar (astrai.infer.grammar: a JSON schema, any
+JSON object, a Lark grammar): its tokens are masked to the grammar and its matcher advanced with
+each one; requests without one are not touched by it.
 
 Weights may change between steps (online RL copies a trainer's weights into the model in place):
 each step first calls `sync_weights()`, which refreshes the fused copies and drops every cached
@@ -33,6 +36,7 @@ from astrai.infer.cache import PagePool, pages_for
 from astrai.text.prompt import Prompt, chat_template_for, encode_prompt, end_of_turn_id, is_chat
 from astrai.text.template import ChatTemplate
 from astrai.infer.detokenize import OutputText
+from astrai.infer.grammar import GrammarTokens
 from astrai.infer.kv_storage import KVStorage
 from astrai.infer.request import FINISHED, Request, SamplingParams, check_request
 from astrai.infer.runner import ModelRunner
@@ -72,6 +76,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     requests: int = 0
+    constrained_requests: int = 0  # requests held to a grammar
+    grammar_failures: int = 0  # tokens a request's grammar refused (ends that request)
 
     def as_dict(self, sched: Scheduler) -> dict:
         return {"requests": self.requests, "steps": self.steps, "prompt_tokens": self.prompt_tokens,
@@ -79,7 +85,8 @@ class EngineStats:
                 "tokens_per_second": self.generated_tokens / self.step_seconds if self.step_seconds else 0.0,
                 # share of the tokens requests brought at admission whose K/V came from the radix cache
                 "prefix_cache_hit_rate": sched.num_cached_tokens / max(sched.num_admitted_tokens, 1),
-                "preemptions": sched.num_preemptions}
+                "preemptions": sched.num_preemptions, "constrained_requests": self.constrained_requests,
+                "grammar_failures": self.grammar_failures}
 
 
 class Engine:
@@ -111,6 +118,7 @@ class Engine:
         self.asleep = False
         self._next_rid = 0
         self._texts: dict[int, OutputText] = {}
+        self.grammar = GrammarTokens(tokenizer, c.vocab_size, self.eos_ids)  # llguidance's vocabulary, built on use
 
     @property
     def template(self) -> Optional[ChatTemplate]:
@@ -146,7 +154,7 @@ class Engine:
         if adapters:  # every adapter checked against the base's config before any weight is read
             from astrai.model.adapter_files import check_adapter
 
-            for name, directory in adapters.items():
+            for directory in adapters.values():
                 check_adapter(directory, path)
         model = load_checkpoint(path, base)
         dirs = [path, resolve_base(path, base)] if is_adapter(path) else [path]
@@ -186,16 +194,19 @@ class Engine:
         return list(self.runner.bank.names) if self.runner.bank is not None else []
 
     # ---- requests ----
-    def encode(self, prompt: Prompt) -> list[int]:
-        """The token ids of a prompt (a conversation rendered with the chat template); no engine state is
-        touched, so a server may call it outside the thread that steps the engine."""
-        return encode_prompt(prompt, self.tokenizer, self.template if is_chat(prompt) else None)
+    def encode(self, prompt: Prompt, tools: Optional[list] = None) -> list[int]:
+        """The token ids of a prompt (a conversation rendered with the chat template, and `tools` when given); no
+        engine state is touched, so a server may call it outside the thread that steps the engine."""
+        return encode_prompt(prompt, self.tokenizer, self.template if is_chat(prompt) else None, tools)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    end_of_turn: Optional[bool] = None, adapter: Optional[str] = None) -> Request:
+                    end_of_turn: Optional[bool] = None, grammar: Optional[str] = None,
+                    adapter: Optional[str] = None) -> Request:
         """`end_of_turn`: also stop at the chat template's end-of-turn token; default: when the prompt is a
-        conversation (pass True with the ids of a conversation already rendered by `encode`). `adapter`:
-        the name of a LoRA adapter of `load_adapters` to run with (None: the base)."""
+        conversation (pass True with the ids of a conversation already rendered by `encode`). `grammar`: an
+        llguidance grammar (astrai.infer.grammar.json_grammar, lark_grammar) the output is held to; one the
+        grammar engine cannot compile raises GrammarError (an InvalidRequest) before anything is queued.
+        `adapter`: the name of a LoRA adapter of `load_adapters` to run with (None: the base)."""
         params = params or SamplingParams()
         if adapter is not None and adapter not in self.adapter_names:
             raise InvalidRequest(f"adapter {adapter!r} is not served here"
@@ -210,9 +221,12 @@ class Engine:
         req = Request(self._next_rid, ids, params, frozenset(stop_ids))
         req.adapter = self.runner.bank.adapter_id(adapter) if adapter is not None else 0
         req.generator = make_generator(params.seed, self.device)
+        if grammar is not None:
+            req.matcher = self.grammar.matcher(grammar)
         self.scheduler.add(req)  # raises RequestTooLarge for a request that can never fit
         self._next_rid += 1
         self.stats.requests += 1
+        self.stats.constrained_requests += grammar is not None
         self.stats.prompt_tokens += len(ids)
         if self.tokenizer is not None:
             self._texts[req.rid] = OutputText(self.tokenizer.tok, ids, params.stop)
@@ -299,6 +313,12 @@ class Engine:
             delta = text.push(token)
             if text.stop_string is not None:
                 reason, req.stop_reason = "stop", text.stop_string
+        if reason is None and req.matcher is not None:
+            if not req.matcher.advance(token):
+                self.stats.grammar_failures += 1
+                reason = "stop"
+            elif req.matcher.done:  # the grammar takes nothing more: the output is complete
+                reason = "stop"
         if reason is None and req.num_output >= req.params.max_tokens:
             reason = "length"
         if reason is not None:
@@ -317,9 +337,11 @@ class Engine:
 
     # ---- whole calls ----
     def stream(self, prompts: Sequence[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-               adapters: Optional[Sequence[Optional[str]]] = None) -> Iterator[StreamEvent]:
-        """Events as tokens are sampled, across all prompts (continuous batching), in sampling order.
-        `adapters`: per prompt, the LoRA adapter it runs with (None: the base)."""
+               grammar: Optional[str] = None, adapters: Optional[Sequence[Optional[str]]] = None
+               ) -> Iterator[StreamEvent]:
+        """Events as tokens are sampled, across all prompts (continuous batching), in sampling order;
+        `grammar`: every answer held to it (add_request); `adapters`: per prompt, the LoRA adapter it
+        runs with (None: the base)."""
         adapters = list(adapters) if adapters is not None else [None] * len(prompts)
         if len(adapters) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
@@ -331,7 +353,7 @@ class Engine:
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 try:
-                    index[self.add_request(p, sp, adapter=adapters[i]).rid] = i
+                    index[self.add_request(p, sp, grammar=grammar, adapter=adapters[i]).rid] = i
                 except InvalidRequest as e:  # which request: the caller maps it to a file line
                     raise InvalidRequest(str(e), i) from None
             while any(self._live(index)):
@@ -353,11 +375,12 @@ class Engine:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 adapters: Optional[Sequence[Optional[str]]] = None) -> list[Completion]:
+                 grammar: Optional[str] = None, adapters: Optional[Sequence[Optional[str]]] = None
+                 ) -> list[Completion]:
         if isinstance(prompts, str) or is_chat(prompts) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         out: list[Optional[Completion]] = [None] * len(prompts)
-        for ev in self.stream(prompts, params, adapters):
+        for ev in self.stream(prompts, params, grammar, adapters):
             if ev.completion is not None:
                 out[ev.index] = ev.completion
         return out

@@ -63,6 +63,7 @@ class Request:
     stop_reason: Optional[object] = None  # the stop token id or stop string that ended it
     generator: Optional[object] = None  # torch.Generator when seeded
     adapter: int = 0  # the LoRA adapter it runs with (astrai.infer.lora_bank; 0: the base)
+    matcher: Optional[object] = None  # astrai.infer.grammar.Matcher when the output is held to a grammar
     logprobs: list = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
 

@@ -16,8 +16,14 @@ and never on which other requests share the batch (or on a preemption in between
 draw theirs from the process RNG in one call. The cumulative sums are float32: a token's
 probability is kept to about 1e-7 of the row's total.
 
+Rows whose request has a grammar (astrai.infer.grammar: structured output, forced tool calls) get
+the grammar's mask first, after the penalty and before greedy or warping: a token the grammar cannot
+take next is -inf. Only those rows are masked (the whole block in one op when every row is
+constrained); the other rows' logits are left as they are, so their tokens are the same with or
+without a constrained neighbour, and a step with no constrained row does no grammar work at all.
+
 Logprobs (when asked) are of the model's own distribution, log_softmax of the raw logits, before
-penalty and warping, like vLLM's default.
+penalty, grammar mask and warping, like vLLM's default.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from astrai.infer.request import Request
@@ -83,6 +90,21 @@ def warp(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
+def apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
+    """`logits` with the tokens the grammar of each of `rows` (requests with a matcher) cannot take next at
+    -inf: a new tensor; `logits` itself is left as it was."""
+    allowed = np.empty((len(rows), logits.shape[-1]), dtype=bool)
+    for i, b in enumerate(rows):
+        reqs[b].matcher.fill(allowed[i], reqs[b].stop_ids)
+    mask = torch.from_numpy(allowed).to(logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained: one op, no gather or scatter
+        return logits.masked_fill(~mask, float("-inf"))
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(~mask, float("-inf"))
+    return out
+
+
 def uniforms(reqs: list[Request], device) -> torch.Tensor:
     """One U[0, 1) per request: from its own generator when seeded, else from the process RNG."""
     u = torch.rand(len(reqs), device=device)
@@ -124,6 +146,9 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[O
     raw = logits
     if any(r.params.repetition_penalty != 1.0 for r in reqs):
         logits = apply_repetition_penalty(logits.clone(), reqs)
+    constrained = [b for b, r in enumerate(reqs) if r.matcher is not None]
+    if constrained:
+        logits = apply_grammar(logits, reqs, constrained)
     tokens = first_argmax(logits)
     rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if rows:

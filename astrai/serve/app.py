@@ -10,7 +10,9 @@ Before a handler runs, the Guard middleware (guard.py) checks the Host header, t
 POST bodies and the body's size and arrival time. A handler then parses the body (protocol.py: 400
 with the field) and runs the checks of checks.py in order of cost: sizes and the number of choices
 before any tokenizing, the chat template and tokenizer in a worker thread, then the context (prompt
-+ max_tokens, both numbers named) and the vocabulary. Each choice samples with the request's own
++ max_tokens, both numbers named), the vocabulary, and the grammar of `response_format` or of a forced
+tool call (structured.py: compiled by the grammar engine, or a 400 saying why). `tools` are rendered
+by the chat template and calls parsed back from the answers (tools.py). Each choice samples with the request's own
 values over the checkpoint's generation_config.json (as `astrai generate` and `astrai chat` do). The
 choices go to the engine loop (429 when `--max-queue` requests already wait) and their tokens come
 back. A client that disconnects, or stops reading a stream for `--stall-timeout` seconds, cancels its
@@ -44,6 +46,8 @@ from astrai.serve.metrics import Metrics
 from astrai.serve.protocol import APIError, ChatRequest, CompletionRequest, parse, sampling_params
 from astrai.serve.responses import (DONE, ChunkWriter, NotFinite, TokenText, chat_logprobs, chat_response,
                                     completion_logprobs, new_id, sse_error, text_response, usage)
+from astrai.serve.structured import chat_grammar, response_format
+from astrai.serve.tools import HeldText, answer_calls, arguments_as_objects, check_tools
 
 SHUTTING_DOWN = "the server is shutting down: the request was cancelled"
 HEALTH_WAIT_S = 0.5  # longer inside one engine step: /health answers with the last snapshot's figures, "stale": true
@@ -123,14 +127,14 @@ class Server:
                              config.max_prompt_chars)
         self.defaults = engine.generation_defaults  # the checkpoint's generation_config.json, under each request
 
-    def submit(self, choices, end_of_turn: bool, streaming: bool, arrival: float,
+    def submit(self, choices, end_of_turn: bool, streaming: bool, arrival: float, grammar=None,
                adapter: Optional[str] = None) -> Stream:
         if self.loop.in_flight + len(choices) > self.checks.capacity:
             waiting = max(self.loop.in_flight - self.engine.scheduler.max_running, 0)
             raise APIError(429, f"the server is busy: {waiting} request(s) already wait for a slot (--max-queue "
                                 f"{self.cfg.max_queue}); retry later", code="rate_limit_exceeded")
         self.metrics.submitted(adapter, len(choices))
-        return self.loop.submit(choices, end_of_turn, streaming, arrival, adapter)
+        return self.loop.submit(choices, end_of_turn, streaming, arrival, grammar, adapter)
 
     async def collect(self, stream: Stream, request: Request) -> list:
         """Wait for every choice (non-streaming); a client that goes away cancels them."""
@@ -166,25 +170,37 @@ class Server:
     async def chat(self, request: Request):
         arrival = time.perf_counter()
         req, adapter = await self._request(ChatRequest, request)
-        conversation = req.conversation()
+        tool_fmt = check_tools(req, self.engine.template)  # the template's tool-call format, when tools are given
+        conversation = arguments_as_objects(req.conversation())
         self.checks.check_size(conversation, "messages")
+        if req.tools:
+            self.checks.check_size(req.tools, "tools")
         self.checks.check_batch(req.n)
-        ids = await self.checks.encode(conversation, "messages")
+        ids = await self.checks.encode(conversation, "messages", req.tools if tool_fmt else None)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.checks.max_tokens(len(ids), asked, param, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, ids, max_tokens, k, "top_logprobs", "messages", req.n)
-        stream = self.submit([(ids, p) for p in params], True, bool(req.stream), arrival, adapter)
+        grammar = await chat_grammar(self.engine, req, tool_fmt, self.metrics)
+        stream = self.submit([(ids, p) for p in params], True, bool(req.stream), arrival, grammar, adapter)
         rid, model = new_id("chatcmpl"), req.model or self.cfg.model_name
+        calls_fmt = tool_fmt if req.tool_choice != "none" else None  # answers parsed for tool calls
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._chunks(stream, ChunkWriter(rid, model, True, include), include, bool(req.logprobs), [len(ids)])
+            body = self._chunks(stream, ChunkWriter(rid, model, True, include), include, bool(req.logprobs), [len(ids)],
+                                calls_fmt=calls_fmt)
             return EventStream(body, lambda: self.loop.cancel(stream), self.cfg.stall_timeout)
         done = await self.collect(stream, request)
         if done is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        return JSONResponse(_finite(chat_response, rid, model, done, bool(req.logprobs), self.tt))
+        body = _finite(chat_response, rid, model, done, bool(req.logprobs), self.tt)
+        for choice, c in zip(body["choices"], done) if calls_fmt else ():
+            content, calls = answer_calls(calls_fmt, c, self.engine.tokenizer)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
+        return JSONResponse(body)
 
     async def completions(self, request: Request):
         arrival = time.perf_counter()
@@ -199,7 +215,8 @@ class Server:
             max_tokens = self.checks.max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
             params = self._params(req, ids, max_tokens, req.logprobs, "logprobs", "prompt", req.n)
             choices += [(ids, p) for p in params]
-        stream = self.submit(choices, False, bool(req.stream), arrival, adapter)
+        grammar = await response_format(self.engine, req, self.metrics)
+        stream = self.submit(choices, False, bool(req.stream), arrival, grammar, adapter)
         rid, model = new_id("cmpl"), req.model or self.cfg.model_name
         lens, want_lp = [len(p) for p in prompts], req.logprobs is not None
         if req.stream:
@@ -212,8 +229,12 @@ class Server:
         return JSONResponse(_finite(text_response, rid, model, done, want_lp, self.tt, lens, req.n))
 
     async def _chunks(self, stream: Stream, w: ChunkWriter, include_usage: bool, want_lp: bool,
-                      prompt_lens: list[int], n: Optional[int] = None) -> AsyncIterator[bytes]:
+                      prompt_lens: list[int], n: Optional[int] = None, calls_fmt: Optional[str] = None
+                      ) -> AsyncIterator[bytes]:
+        """`calls_fmt`: the answers may hold tool calls in that format: text from a possible call on is held
+        back and sent as tool_calls deltas at the end (or as content when it held no call)."""
         total = len(stream.results)
+        held = [HeldText(calls_fmt) for _ in range(total)] if calls_fmt else None
         if w.chat:
             yield b"".join(w.role(i) for i in range(total))
         offsets = [0] * total
@@ -237,11 +258,24 @@ class Server:
                         self.loop.cancel(stream)
                         yield b"".join(out) + sse_error(_not_finite(e).body()) + DONE
                         return
-                if ev.text or lp is not None:
-                    out.append(w.text(ev.index, ev.text, lp))
-                    offsets[ev.index] += len(ev.text)
-                if ev.finish_reason is not None:
-                    out.append(w.finish(ev.index, ev.finish_reason))
+                text, reason = ev.text, ev.finish_reason
+                if held is not None:
+                    text = held[ev.index].push(text)
+                    if reason is not None and reason != "error":
+                        content, calls = answer_calls(calls_fmt, ev.completion, self.engine.tokenizer)
+                        if calls:
+                            out += [w.text(ev.index, content[offsets[ev.index]:])] if content and \
+                                len(content) > offsets[ev.index] else []
+                            out.append(w.tool_calls(ev.index, calls))
+                            out.append(w.finish(ev.index, "tool_calls"))
+                            left -= 1
+                            continue
+                        text += held[ev.index].rest()
+                if text or lp is not None:
+                    out.append(w.text(ev.index, text, lp))
+                    offsets[ev.index] += len(text)
+                if reason is not None:
+                    out.append(w.finish(ev.index, reason))
                     left -= 1
             yield b"".join(out)
         if include_usage:

@@ -82,7 +82,7 @@ class Checks:
             raise APIError(400, f"{n_choices} choices (n x prompts) exceed what the server takes at once "
                                 f"({self.capacity}: --max-running + --max-queue)", param="n")
 
-    async def encode(self, prompt, param: str) -> list[int]:
+    async def encode(self, prompt, param: str, tools: Optional[list] = None) -> list[int]:
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             bad = [t for t in prompt if not 0 <= t < self.vocab]
             if bad:
@@ -90,7 +90,7 @@ class Checks:
             ids = list(prompt)
         else:
             try:
-                ids = await asyncio.get_running_loop().run_in_executor(None, self.engine.encode, prompt)
+                ids = await asyncio.get_running_loop().run_in_executor(None, self.engine.encode, prompt, tools)
             except TemplateLimit as e:  # the client's conversation took the template past its bounds
                 raise APIError(400, f"{param}: the chat template cannot render this conversation within its "
                                     f"limits: {e}", param=param) from None

@@ -85,12 +85,14 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, choices: list[tuple[list[int], object]], end_of_turn: bool, streaming: bool = True,
-               arrival: Optional[float] = None, adapter: Optional[str] = None) -> Stream:
+               arrival: Optional[float] = None, grammar: Optional[str] = None,
+               adapter: Optional[str] = None) -> Stream:
         """choices: (prompt ids, SamplingParams) per engine request; end_of_turn: the prompts are conversations;
+        grammar: every choice's output held to it (compiled by the handler: astrai.serve.structured);
         adapter: the LoRA adapter they run with (None: the base)."""
         stream = Stream(len(choices), streaming, arrival or time.perf_counter(), self._loop)
         self.in_flight += len(choices)
-        self._commands.put(("add", stream, choices, end_of_turn, adapter))
+        self._commands.put(("add", stream, choices, end_of_turn, grammar, adapter))
         return stream
 
     def cancel(self, stream: Stream) -> None:
@@ -199,10 +201,11 @@ class EngineLoop:
     def _apply(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, stream, choices, end_of_turn, adapter = cmd
+            _, stream, choices, end_of_turn, grammar, adapter = cmd
             for i, (ids, params) in enumerate(choices):
                 try:
-                    req = self.engine.add_request(ids, params, end_of_turn=end_of_turn, adapter=adapter)
+                    req = self.engine.add_request(ids, params, end_of_turn=end_of_turn, grammar=grammar,
+                                                  adapter=adapter)
                 except Exception as e:  # checked by the handler before; this one request fails, not the thread
                     self._post([(stream, Event(i, -1, "", None, "error", f"{type(e).__name__}: {e}"))])
                     continue
@@ -235,4 +238,5 @@ class EngineLoop:
                 "kv_tokens_free": free, "kv_tokens_cached": cached,
                 "prefix_cache_queried_tokens": sched.num_admitted_tokens,
                 "prefix_cache_hit_tokens": sched.num_cached_tokens, "preemptions": sched.num_preemptions,
+                "grammar_failures": e.stats.grammar_failures,
                 "steps": e.stats.steps}

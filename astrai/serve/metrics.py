@@ -6,10 +6,14 @@ Counted on the event loop as tokens are handed to their requests (what a client 
   astrai_prompt_tokens_total, astrai_generation_tokens_total, astrai_cached_prompt_tokens_total
   astrai_time_to_first_token_seconds        histogram: HTTP request arrival -> its first token handed over
   astrai_inter_token_latency_seconds        histogram: between two tokens of one choice
+  astrai_constrained_requests_total{kind}   HTTP requests whose answers are held to a grammar: json_object,
+                                            json_schema (response_format) or tool_call (a forced tool call)
+  astrai_grammar_errors_total               requests refused with a 400: a schema the grammar engine cannot compile
 Read from the engine at scrape time (a snapshot taken on the engine thread, handed to `render`):
   astrai_requests_running, astrai_requests_waiting, astrai_kv_tokens_{total,free,cached},
   astrai_kv_usage_ratio (share of the pool held by live requests), astrai_prefix_cache_{queried,hit}_tokens_total
-  and astrai_prefix_cache_hit_rate, astrai_preemptions_total.
+  and astrai_prefix_cache_hit_rate, astrai_preemptions_total, astrai_grammar_failures_total (tokens a
+  request's grammar refused: the mask lets none through, so anything but 0 is a bug).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+CONSTRAINED_KINDS = ("json_object", "json_schema", "tool_call")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -55,6 +60,8 @@ class _EngineSnapshot:
         yield gauge("astrai_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens.",
                     hit / queried if queried else 0.0)
         yield counter("astrai_preemptions", "Requests preempted for memory (recomputed later).", s["preemptions"])
+        yield counter("astrai_grammar_failures", "Sampled tokens a request's grammar refused (ends the request).",
+                      s.get("grammar_failures", 0))
 
 
 class Metrics:
@@ -79,6 +86,12 @@ class Metrics:
                              "Seconds between two consecutive tokens of one choice.", buckets=ITL_BUCKETS, registry=r)
         self.by_model = Counter("astrai_model_requests", "Choices submitted, by the model id they ran with (the base "
                                 "or a LoRA adapter's name).", ["model"], registry=r)
+        self.constrained = Counter("astrai_constrained_requests", "Requests whose answers are held to a grammar.",
+                                   ["kind"], registry=r)
+        for kind in CONSTRAINED_KINDS:
+            self.constrained.labels(kind)
+        self.grammar_errors = Counter("astrai_grammar_errors", "Requests refused: a schema or grammar the grammar "
+                                      "engine cannot compile.", registry=r)
         self.engine = _EngineSnapshot()
         r.register(self.engine)
 

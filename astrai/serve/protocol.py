@@ -4,7 +4,8 @@ A body is parsed strictly (JSON types as the OpenAI API declares them: a string 
 expected is a 400, not a guess); an unknown field is refused as OpenAI refuses it ("Unrecognized
 request argument"), so a misspelled option is never silently ignored. Fields OpenAI clients send
 that this engine cannot honour are accepted only at their neutral value (presence_penalty 0, no
-logit_bias, no tools, echo false, ...). Sampling values are checked by the engine's own
+logit_bias, echo false, ...); `tools`, `tool_choice` and `response_format` are read by tools.py and
+structured.py. Sampling values are checked by the engine's own
 SamplingParams model (astrai.config.infer), the one `astrai generate` uses: one set of rules.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the status codes
@@ -79,6 +80,7 @@ class _Common(_Strict):
     ignore_eos: Optional[bool] = False
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
+    response_format: Optional[dict[str, Any]] = None  # text, json_object, json_schema (astrai.serve.structured)
     # accepted at their neutral values only (OpenAI clients send them)
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
@@ -110,17 +112,9 @@ class ChatRequest(_Common):
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
 
     def neutral_fields(self) -> None:
         super().neutral_fields()
-        if self.tools:
-            raise APIError(400, "tools are not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice is not supported by this server", param="tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "response_format other than {'type': 'text'} is not supported",
-                           param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 

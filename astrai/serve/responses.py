@@ -154,6 +154,11 @@ class ChunkWriter:
         body = f'"delta":{{"content":{_dumps(text)}}}' if self.chat else f'"text":{_dumps(text)}'
         return (self.head + self._choice(index, body, logprobs, None) + self.tail).encode()
 
+    def tool_calls(self, index: int, calls: list[dict]) -> bytes:
+        """One delta with every call of the choice (OpenAI's streamed shape: an index per call)."""
+        body = _dumps({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+        return (self.head + self._choice(index, f'"delta":{body}', None, None) + self.tail).encode()
+
     def finish(self, index: int, reason: str) -> bytes:
         body = '"delta":{}' if self.chat else '"text":""'
         return (self.head + self._choice(index, body, None, reason) + self.tail).encode()

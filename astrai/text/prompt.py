@@ -77,8 +77,9 @@ def _message_problem(m) -> Optional[str]:
     return None
 
 
-def encode_prompt(prompt: Prompt, tokenizer: Optional[Tokenizer], template: Optional[ChatTemplate]) -> list[int]:
-    """Token ids of a prompt. A prompt that is not one, or a conversation the template refuses or
+def encode_prompt(prompt: Prompt, tokenizer: Optional[Tokenizer], template: Optional[ChatTemplate],
+                  tools: Optional[list] = None) -> list[int]:
+    """Token ids of a prompt (`tools`: the tool list a conversation's template renders). A prompt that is not one, or a conversation the template refuses or
     fails on, raises InvalidRequest (a TemplateLimit, the template's own fault, passes as it is)."""
     problem = prompt_problem(prompt)
     if problem:
@@ -93,7 +94,7 @@ def encode_prompt(prompt: Prompt, tokenizer: Optional[Tokenizer], template: Opti
             raise InvalidRequest("a chat conversation needs a tokenizer and a chat template (the tokenizer has none: "
                                  "pass chat_template, e.g. --chat-template chatml)")
         try:
-            text = template.render(list(prompt), add_generation_prompt=True,
+            text = template.render(list(prompt), add_generation_prompt=True, tools=tools,
                                    special_tokens=tokenizer.special_tokens_map)
         except TemplateLimit:
             raise

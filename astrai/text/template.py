@@ -133,6 +133,15 @@ class ChatTemplate:
             line = getattr(e, "lineno", None)
             raise InputError(f"chat template {name}" + (f":{line}" if line else "") + f": {e}") from None
 
+    def reads(self, name: str) -> bool:
+        """Whether the template reads variable `name` at all (e.g. `tools`: a template that never does cannot show
+        tools to the model)."""
+        import jinja2.meta
+
+        if not hasattr(self, "_reads"):
+            self._reads = jinja2.meta.find_undeclared_variables(_environment().parse(self.source))
+        return name in self._reads
+
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False, tools: Optional[list] = None,
                special_tokens: Optional[dict] = None, **kwargs: Any) -> str:
         """Render like apply_chat_template(messages, tokenize=False, ...). Raises TemplateRaised."""

@@ -28,7 +28,7 @@ CHAT = [{"role": "user", "content": "hello"}]
     ({"messages": CHAT, "stop": [""]}, "stop", "empty"),
     ({"messages": CHAT, "stream": "yes"}, "stream", "valid boolean"),
     ({"messages": CHAT, "temprature": 0}, "temprature", "Unrecognized request argument"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "tools[0] must be"),
     ({"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",

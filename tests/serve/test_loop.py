@@ -14,7 +14,7 @@ class SlowEngine:
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_admitted_tokens=0, num_cached_tokens=0,
                                          num_preemptions=0)
         self.pool = SimpleNamespace(usage=lambda: (100, 0, 100))
-        self.stats = SimpleNamespace(steps=0)
+        self.stats = SimpleNamespace(steps=0, grammar_failures=0)
         self.work = threading.Event()
 
     def has_work(self):
