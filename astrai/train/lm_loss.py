@@ -27,6 +27,10 @@ hidden] for the head) is allocated and no gradient matmul is paid.
 Final logit soft-capping (Gemma's final_logit_softcapping, `softcap`): the loss is taken on
 cap * tanh(z / cap) in every mode; the fused mode multiplies the logits' gradient by 1 - tanh^2.
 
+Mixed precision (bf16-mixed training, astrai.train.precision): under torch.autocast every mode's
+head products are bf16 (the fused mode casts its operands itself: autocast does not reach into its
+custom function) and the logits are widened to float32 before soft-capping and the loss.
+
 Targets: `shift_targets(labels, cu_seqlens)` turns unshifted labels (HF convention) of a packed
 row into next-token targets; the last token of each document gets IGNORE_INDEX, so a document's
 last token is never trained to predict the next document's first token.

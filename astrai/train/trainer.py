@@ -29,6 +29,10 @@ once, wherever the run is (a reward call or a rollout that blocks included): not
 written, and the checkpoints on disk stay as they are (each is renamed into place whole). Hook order:
 astrai.train.callbacks.
 
+Precision (astrai.train.precision): under bf16-mixed every forward (prepare's log-probs, the loss,
+validation) runs under torch.autocast to bf16 while weights, gradients and optimizer state stay
+float32; the choice is printed once when fit begins and saved with each checkpoint.
+
 Non-finite training: before each optimizer step the step's loss (summed over ranks) and gradient
 norm are checked, on every rank alike. A non-finite one stops training with NonFiniteError naming
 the step, before the optimizer moves, so no weight ever becomes NaN; `skip_nonfinite_steps: N`

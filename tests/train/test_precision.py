@@ -57,7 +57,7 @@ class Capture(Callback):
 
 def _fit(tmp_path, name, model=None, callbacks=(), strategy="sft", rows=None, **kw):
     t = Trainer(model or ts.model(), make_strategy(strategy), rows or ts.synthetic_rows(24),
-                ts.options(tmp_path / name, save_every=100, **kw), callbacks=callbacks)
+                ts.options(tmp_path / name, **{"save_every": 100, **kw}), callbacks=callbacks)
     return t, t.fit()
 
 
@@ -121,6 +121,34 @@ def test_lm_head_under_autocast_equals_the_obvious_bf16_head(mode):
     torch.testing.assert_close(w.grad, w2.grad, rtol=4 * U, atol=4 * U * float(w2.grad.abs().max()))
     # and it is not the float32 head: the fp32 loss differs by more than float32 rounding
     assert abs(float(cross_entropy_sum(h.detach(), w.detach(), y, mode, chunk=16)) - float(ref.detach())) > 1e-4
+
+
+@pytest.mark.parametrize("kw", [{"gradient_checkpointing": True}, {"attention": "loop", "lm_loss": "chunked",
+                                                                    "loss_chunk_tokens": 8}])
+def test_bf16_mixed_with_checkpointing_and_other_loss_modes(tmp_path, kw):
+    """Recomputed layers (gradient checkpointing) and the chunked head keep bf16 products and the curve."""
+    seen = set()
+    model = ts.model()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
+    _, ref = _fit(tmp_path, "fp32", precision="fp32", max_steps=4, **kw)
+    _, mixed = _fit(tmp_path, "mixed", model=model, precision="bf16-mixed", max_steps=4, **kw)
+    assert seen == {torch.bfloat16}
+    a, b = _curve(ref), _curve(mixed)
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= TOLERANCE and a != b
+
+
+def test_a_resume_where_auto_resolves_otherwise_says_so(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(precision_mod, "bf16_matmul_fast", lambda device: (True, "probe: fast"))
+    _fit(tmp_path, "run", precision="auto", max_steps=2, save_every=2)
+    monkeypatch.setattr(precision_mod, "bf16_matmul_fast", lambda device: (False, "probe: slow"))
+    capfd.readouterr()
+    t = Trainer(ts.model(), make_strategy("sft"), ts.synthetic_rows(24),
+                ts.options(tmp_path / "run", save_every=2, precision="auto", max_steps=4))
+    t.fit()
+    err = capfd.readouterr().err
+    assert "precision in effect bf16-mixed -> fp32" in err and "precision fp32 (auto: probe: slow)" in err
 
 
 def test_loss_curve_stays_within_the_bf16_tolerance_of_fp32(tmp_path):
