@@ -14,13 +14,14 @@ weights, the same threads, and the methods interleaved step by step so machine l
 - astrai-lora:  astrai's Trainer with `lora: {}` (rank 16 on every projection)
 - hf-lora:      the hf method on peft.get_peft_model with the same LoRA config (with --peer-lora)
 - astrai-compile: astrai with `compile: true` (with --compile)
-- with --bf16: astrai-bf16 and astrai-lora-bf16 (`precision: bf16-mixed`: float32 master weights,
-  products in bf16 under autocast) and hf-bf16 (transformers' Trainer with `bf16=True`: accelerate
-  wraps the forward in the same autocast, as Trainer.train prepares the model); their loss on each
-  step is compared with the fp32 method's on the same row and weights (the largest relative
-  difference over the timed steps, against the 2^-6 = 8 x bf16's unit roundoff tolerance that
+- with --bf16 full|lora, instead: astrai (or astrai-lora) at fp32, the same at `precision:
+  bf16-mixed` (float32 master weights, products in bf16 under autocast) and transformers' Trainer
+  with `bf16=True` (accelerate wraps the forward in the same autocast, as Trainer.train prepares the
+  model; with lora, peft's), three models at a time so their state fits in memory. The bf16 run's
+  loss on each step is compared with its fp32 twin's on the same row and starting weights (the
+  largest relative difference, against the tolerance of 2^-6 = 8 x bf16's unit roundoff that
   tests/train/test_precision.py derives). bf16 products beat fp32 only on a CPU with avx512_bf16 or
-  amx_bf16 (astrai.runtime.hardware): the CPU's flags are printed with the figures.
+  amx_bf16 (astrai.runtime.hardware): the CPU's flags are printed first.
 
 Reported: tokens/s per method (all tokens of the rows), astrai / hf, the model's 6 x parameters x
 tokens/s in GFLOP/s against a plain float32 matmul of the model's own shapes (each linear's forward
@@ -33,7 +34,8 @@ a target is, plus their causal attention through torch's SDPA, forward and backw
 rows' document lengths; everything else free), and each method's time against it: transformers'
 time over the floor bounds what any trainer could gain over transformers on this machine.
 
-Run: python bench/finetune.py [--rows 6] [--row-len 1024] [--threads 2] [--peer-lora] [--compile] [--bf16] [--no-memory]
+Run: python bench/finetune.py [--rows 6] [--row-len 1024] [--threads 2] [--peer-lora] [--compile] [--no-memory]
+     python bench/finetune.py --bf16 full|lora [--rows 3] [--row-len 256]
      python bench/finetune.py --memory-only | --freed-timing
 """
 
@@ -223,17 +225,18 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
     makers = {"astrai": lambda: AstraiMethod(copy.deepcopy(base), data, work / "a", lora=False),
               "hf": lambda: HFMethod(ckpt, data, work / "h", lora=False),
               "astrai-lora": lambda: AstraiMethod(copy.deepcopy(base), data, work / "al", lora=True)}
+    if args.bf16:  # one fp32/bf16 pair beside transformers at bf16=True: three models' state fit in memory
+        lora = args.bf16 == "lora"
+        tag = "astrai-lora" if lora else "astrai"
+        makers = {tag: makers[tag],
+                  f"{tag}-bf16": lambda: AstraiMethod(copy.deepcopy(base), data, work / "ab", lora=lora,
+                                                      precision="bf16-mixed"),
+                  "hf-bf16": lambda: HFMethod(ckpt, data, work / "hb", lora=lora, bf16=True)}
     if args.compile:
         makers["astrai-compile"] = lambda: AstraiMethod(copy.deepcopy(base), data, work / "ac", lora=False,
                                                         compile=True)
     if args.peer_lora:
         makers["hf-lora"] = lambda: HFMethod(ckpt, data, work / "hl", lora=True)
-    if args.bf16:
-        makers["astrai-bf16"] = lambda: AstraiMethod(copy.deepcopy(base), data, work / "ab", lora=False,
-                                                     precision="bf16-mixed")
-        makers["hf-bf16"] = lambda: HFMethod(ckpt, data, work / "hb", lora=False, bf16=True)
-        makers["astrai-lora-bf16"] = lambda: AstraiMethod(copy.deepcopy(base), data, work / "alb", lora=True,
-                                                          precision="bf16-mixed")
     built = {k: make() for k, make in makers.items()}
     base = makers = None  # every copy is made: the base's memory goes back before the timing
     ds = ShardDataset(data)
@@ -253,6 +256,8 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
               file=sys.stderr, flush=True)
     rates.append(matmul_rate(config, args.row_len))
     tps = {k: seen[k] / secs[k] for k in names}
+    if args.bf16:
+        return bf16_figures(args, tps, losses)
     matmul = statistics.median(rates)
     gflops = 6 * params * tps["astrai"] / 1e9
     cache: dict = {}
@@ -268,22 +273,20 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
             "astrai_gflops_6N": round(gflops, 1), "matmul_gflops": round(matmul, 1),
             "matmul_gflops_all": [round(r, 1) for r in rates], "astrai/matmul": round(gflops / matmul, 3),
             "step_floor_s": round(floor, 2), "astrai/floor": round(secs["astrai"] / floor, 3),
-            "hf/floor (the most any trainer could gain over hf)": round(secs["hf"] / floor, 3),
-            **(bf16_figures(tps, losses) if args.bf16 else {})}
+            "hf/floor (the most any trainer could gain over hf)": round(secs["hf"] / floor, 3)}
 
 
-def bf16_figures(tps: dict, losses: dict) -> dict:
-    """bf16 against fp32 step rates, and each bf16 method's largest relative loss difference from its
-    fp32 twin over the timed steps (same rows, same starting weights; the twins drift apart as they train)."""
-    def worst(a, b):
-        return round(max(abs(x - y) / abs(x) for x, y in zip(losses[a], losses[b])), 5)
-    return {"astrai-bf16/astrai": round(tps["astrai-bf16"] / tps["astrai"], 3),
-            "astrai-bf16/hf-bf16": round(tps["astrai-bf16"] / tps["hf-bf16"], 3),
-            "hf-bf16/hf": round(tps["hf-bf16"] / tps["hf"], 3),
-            "astrai-lora-bf16/astrai-lora": round(tps["astrai-lora-bf16"] / tps["astrai-lora"], 3),
-            "loss rel. diff bf16 vs fp32 (max over steps)": {
-                "astrai": worst("astrai", "astrai-bf16"), "astrai-lora": worst("astrai-lora", "astrai-lora-bf16"),
-                "hf": worst("hf", "hf-bf16")},
+def bf16_figures(args, tps: dict, losses: dict) -> dict:
+    """The bf16-mixed method against its fp32 twin and transformers at bf16=True, and its largest
+    relative loss difference from the twin over the timed steps (same rows, same starting weights;
+    the twins drift apart as they train)."""
+    tag = "astrai-lora" if args.bf16 == "lora" else "astrai"
+    worst = max(abs(x - y) / abs(x) for x, y in zip(losses[tag], losses[f"{tag}-bf16"]))
+    return {"mode": args.bf16, "row_len": args.row_len, "steps": len(losses[tag]), "threads": args.threads,
+            "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+            "astrai-bf16/astrai": round(tps[f"{tag}-bf16"] / tps[tag], 3),
+            "astrai-bf16/hf-bf16": round(tps[f"{tag}-bf16"] / tps["hf-bf16"], 3),
+            "loss rel. diff bf16 vs fp32 (max over steps)": round(worst, 5),
             "losses": {k: [round(v, 5) for v in vs] for k, vs in losses.items()}}
 
 
@@ -348,8 +351,8 @@ def main():
     p.add_argument("--peer-lora", action="store_true", help="also time peft LoRA under transformers' Trainer")
     p.add_argument("--compile", action="store_true", help="also time astrai with compile: true (torch.compile of "
                                                           "the decoder layers; the warm-up step compiles)")
-    p.add_argument("--bf16", action="store_true", help="also time precision: bf16-mixed (full and LoRA) and "
-                                                      "transformers' Trainer with bf16=True")
+    p.add_argument("--bf16", choices=("full", "lora"), help="instead: astrai fp32 and precision: bf16-mixed "
+                   "against transformers' Trainer with bf16=True, full fine-tuning or LoRA")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "astrai-bench-finetune"))
     p.add_argument("--child", choices=("full", "lora"), help=argparse.SUPPRESS)
@@ -375,7 +378,7 @@ def main():
         return freed_timing(a, work)
     result = {} if a.memory_only else measure(a, ckpt, data, pick_rows(data, a.rows, a.row_len), work)
     print(json.dumps(result), flush=True)
-    if not a.no_memory:
+    if not (a.no_memory or a.bf16):
         # activations, not weights, dominate a 135M model's step at 1,024 tokens (LoRA saves each adapted
         # linear's input as full fine-tuning does): measured as run, and both with gradient checkpointing;
         # then both again with return_freed_memory: true (astrai.train.host_memory)
