@@ -320,6 +320,6 @@ def precision_problems(precision, dtype, lora: bool) -> list[tuple[tuple, str]]:
     if precision != "bf16-mixed" or bf16_mixed_allowed(dtype, lora):
         return []
     base = " (with lora: float32 or bfloat16, the frozen base's)" if lora else ""
-    return [(("precision",), f"precision: bf16-mixed keeps float32 master weights and multiplies in bf16 under "
-                             f"autocast, but dtype: {dtype} makes the trained weights {dtype}: set dtype: "
-                             f"float32{base}, or precision: fp32 to train in {dtype}")]
+    return [(("precision",), f"bf16-mixed keeps float32 master weights and multiplies in bf16 under autocast, "
+                             f"but dtype: {dtype} makes the trained weights {dtype}: set dtype: float32{base}, or "
+                             f"precision: fp32 to train in {dtype}")]

@@ -278,7 +278,7 @@ def test_bf16_mixed_with_bfloat16_weights_is_refused_naming_both_keys():
     with pytest.raises(ValueError) as e:
         TrainOptions(output="o", precision="bf16-mixed", dtype="bfloat16")
     msg = str(e.value)
-    assert "precision: bf16-mixed" in msg and "dtype: bfloat16" in msg and "dtype: float32" in msg
+    assert "bf16-mixed keeps float32 master weights" in msg and "dtype: bfloat16" in msg and "dtype: float32" in msg
     with pytest.raises(ValueError, match="dtype: float64"):
         TrainOptions(output="o", precision="bf16-mixed", dtype="float64")
     TrainOptions(output="o", precision="bf16-mixed", dtype="bfloat16", lora={})  # frozen bf16 base, fp32 adapters
@@ -292,8 +292,8 @@ def test_the_cli_refuses_it_in_one_line(tmp_path):
                        timeout=120)
     assert r.returncode != 0
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and "precision" in lines[0] and "dtype" in lines[0], \
-        r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and f"{cfg}:4:" in lines[0], r.stderr
+    assert "precision: bf16-mixed keeps float32" in lines[0] and "dtype: bfloat16" in lines[0], r.stderr
 
 
 def test_the_summary_names_the_precision():
