@@ -14,6 +14,14 @@ weights, the same threads, and the methods interleaved step by step so machine l
 - astrai-lora:  astrai's Trainer with `lora: {}` (rank 16 on every projection)
 - hf-lora:      the hf method on peft.get_peft_model with the same LoRA config (with --peer-lora)
 - astrai-compile: astrai with `compile: true` (with --compile)
+- with --bf16 full|lora, instead: astrai (or astrai-lora) at fp32, the same at `precision:
+  bf16-mixed` (float32 master weights, products in bf16 under autocast) and transformers' Trainer
+  with `bf16=True` (accelerate wraps the forward in the same autocast, as Trainer.train prepares the
+  model; with lora, peft's), three models at a time so their state fits in memory. The bf16 run's
+  loss on each step is compared with its fp32 twin's on the same row and starting weights (the
+  largest relative difference, against the tolerance of 2^-6 = 8 x bf16's unit roundoff that
+  tests/train/test_precision.py derives). bf16 products beat fp32 only on a CPU with avx512_bf16 or
+  amx_bf16 (astrai.runtime.hardware): the CPU's flags are printed first.
 
 Reported: tokens/s per method (all tokens of the rows), astrai / hf, the model's 6 x parameters x
 tokens/s in GFLOP/s against a plain float32 matmul of the model's own shapes (each linear's forward
@@ -27,6 +35,7 @@ rows' document lengths; everything else free), and each method's time against it
 time over the floor bounds what any trainer could gain over transformers on this machine.
 
 Run: python bench/finetune.py [--rows 6] [--row-len 1024] [--threads 2] [--peer-lora] [--compile] [--no-memory]
+     python bench/finetune.py --bf16 full|lora [--rows 3] [--row-len 256]
      python bench/finetune.py --memory-only | --freed-timing
 """
 
@@ -92,7 +101,7 @@ def pick_rows(data: Path, n: int, row_len: int) -> list[int]:
 
 class AstraiMethod:
     def __init__(self, model, data: Path, work: Path, lora: bool, compile: bool = False, checkpointing: bool = False,
-                 return_freed_memory: bool = False):
+                 return_freed_memory: bool = False, precision: str = "fp32"):
         from astrai.train.adapters import add_adapters
         from astrai.train.strategies import make_strategy
         from astrai.train.trainer import Trainer
@@ -100,7 +109,7 @@ class AstraiMethod:
         opts = TrainOptions(data=str(data), output=str(work), model=str(work), lr=LR, progress=False,
                             save_every=10 ** 6, batch_size=1, warmup_steps=0, scheduler="constant",
                             lora={} if lora else None, compile=compile, gradient_checkpointing=checkpointing,
-                            return_freed_memory=return_freed_memory)
+                            return_freed_memory=return_freed_memory, precision=precision)
         if lora:
             add_adapters(model, opts)
         self.trainer = Trainer(model, make_strategy("sft"), ShardDataset(data), opts)
@@ -108,12 +117,13 @@ class AstraiMethod:
         # what the GradientCheckpointing callback sets when fit() begins (steps here bypass fit)
         self.trainer.raw_model.gradient_checkpointing = checkpointing
 
-    def step(self, row: int):
+    def step(self, row: int) -> float:
         self.trainer._train_window([[row]])
+        return self.trainer.state.step_metrics["loss"]
 
 
 class HFMethod:
-    def __init__(self, checkpoint: Path, data: Path, work: Path, lora: bool):
+    def __init__(self, checkpoint: Path, data: Path, work: Path, lora: bool, bf16: bool = False):
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
@@ -126,11 +136,12 @@ class HFMethod:
                                                      "down_proj"], task_type="CAUSAL_LM"))
         args = transformers.TrainingArguments(output_dir=str(work), per_device_train_batch_size=1, learning_rate=LR,
                                               lr_scheduler_type="constant", report_to=[], save_strategy="no",
-                                              logging_strategy="no", use_cpu=True, max_grad_norm=1.0)
+                                              logging_strategy="no", use_cpu=True, max_grad_norm=1.0, bf16=bf16)
         self.trainer = transformers.Trainer(model=model, args=args, data_collator=transformers.DataCollatorWithFlattening())
         self.trainer.create_optimizer_and_scheduler(num_training_steps=1000)
         self.trainer.current_gradient_accumulation_steps = 1  # what Trainer.train sets before its steps
-        self.model = self.trainer.model
+        # what Trainer.train does first: with bf16, accelerate wraps the forward in torch.autocast(bf16)
+        self.model = self.trainer.accelerator.prepare_model(self.trainer.model)
         self.model.train()
         self.rows = ShardDataset(data)
 
@@ -143,12 +154,13 @@ class HFMethod:
             start += n
         return self.trainer.data_collator(docs)
 
-    def step(self, row: int):
-        self.trainer.training_step(self.model, self.batch(row))
+    def step(self, row: int) -> float:
+        loss = float(self.trainer.training_step(self.model, self.batch(row)))
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.trainer.optimizer.step()
         self.trainer.lr_scheduler.step()
         self.model.zero_grad(set_to_none=True)
+        return loss
 
 
 def matmul_rate(config, rows: int, repeats: int = 3) -> float:
@@ -213,6 +225,13 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
     makers = {"astrai": lambda: AstraiMethod(copy.deepcopy(base), data, work / "a", lora=False),
               "hf": lambda: HFMethod(ckpt, data, work / "h", lora=False),
               "astrai-lora": lambda: AstraiMethod(copy.deepcopy(base), data, work / "al", lora=True)}
+    if args.bf16:  # one fp32/bf16 pair beside transformers at bf16=True: three models' state fit in memory
+        lora = args.bf16 == "lora"
+        tag = "astrai-lora" if lora else "astrai"
+        makers = {tag: makers[tag],
+                  f"{tag}-bf16": lambda: AstraiMethod(copy.deepcopy(base), data, work / "ab", lora=lora,
+                                                      precision="bf16-mixed"),
+                  "hf-bf16": lambda: HFMethod(ckpt, data, work / "hb", lora=lora, bf16=True)}
     if args.compile:
         makers["astrai-compile"] = lambda: AstraiMethod(copy.deepcopy(base), data, work / "ac", lora=False,
                                                         compile=True)
@@ -224,19 +243,21 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
     tokens = {i: len(ds[i]["input_ids"]) for i in rows}
     for m in built.values():  # warm-up (allocator, first-call costs), not counted
         m.step(rows[0])
-    secs, seen, rates = {k: 0.0 for k in built}, {k: 0 for k in built}, []
+    secs, seen, rates, losses = {k: 0.0 for k in built}, {k: 0 for k in built}, [], {k: [] for k in built}
     names = list(built)
     for n, row in enumerate(rows[1:]):
         rates.append(matmul_rate(config, args.row_len))
         for k in names[n % len(names):] + names[:n % len(names)]:  # each method takes each slot in turn
             t = time.perf_counter()
-            built[k].step(row)
+            losses[k].append(built[k].step(row))
             secs[k] += time.perf_counter() - t
             seen[k] += tokens[row]
         print(f"round {n + 1}/{len(rows) - 1}: " + ", ".join(f"{k} {seen[k] / secs[k]:.0f} tok/s" for k in names),
               file=sys.stderr, flush=True)
     rates.append(matmul_rate(config, args.row_len))
     tps = {k: seen[k] / secs[k] for k in names}
+    if args.bf16:
+        return bf16_figures(args, tps, losses)
     matmul = statistics.median(rates)
     gflops = 6 * params * tps["astrai"] / 1e9
     cache: dict = {}
@@ -253,6 +274,20 @@ def measure(args, ckpt: Path, data: Path, rows: list[int], work: Path) -> dict:
             "matmul_gflops_all": [round(r, 1) for r in rates], "astrai/matmul": round(gflops / matmul, 3),
             "step_floor_s": round(floor, 2), "astrai/floor": round(secs["astrai"] / floor, 3),
             "hf/floor (the most any trainer could gain over hf)": round(secs["hf"] / floor, 3)}
+
+
+def bf16_figures(args, tps: dict, losses: dict) -> dict:
+    """The bf16-mixed method against its fp32 twin and transformers at bf16=True, and its largest
+    relative loss difference from the twin over the timed steps (same rows, same starting weights;
+    the twins drift apart as they train)."""
+    tag = "astrai-lora" if args.bf16 == "lora" else "astrai"
+    worst = max(abs(x - y) / abs(x) for x, y in zip(losses[tag], losses[f"{tag}-bf16"]))
+    return {"mode": args.bf16, "row_len": args.row_len, "steps": len(losses[tag]), "threads": args.threads,
+            "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+            "astrai-bf16/astrai": round(tps[f"{tag}-bf16"] / tps[tag], 3),
+            "astrai-bf16/hf-bf16": round(tps[f"{tag}-bf16"] / tps["hf-bf16"], 3),
+            "loss rel. diff bf16 vs fp32 (max over steps)": round(worst, 5),
+            "losses": {k: [round(v, 5) for v in vs] for k, vs in losses.items()}}
 
 
 def child(args, mode: str):
@@ -316,6 +351,8 @@ def main():
     p.add_argument("--peer-lora", action="store_true", help="also time peft LoRA under transformers' Trainer")
     p.add_argument("--compile", action="store_true", help="also time astrai with compile: true (torch.compile of "
                                                           "the decoder layers; the warm-up step compiles)")
+    p.add_argument("--bf16", choices=("full", "lora"), help="instead: astrai fp32 and precision: bf16-mixed "
+                   "against transformers' Trainer with bf16=True, full fine-tuning or LoRA")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "astrai-bench-finetune"))
     p.add_argument("--child", choices=("full", "lora"), help=argparse.SUPPRESS)
@@ -329,6 +366,11 @@ def main():
     torch.set_num_threads(a.threads)
     if a.child:
         return child(a, a.child)
+    from astrai.runtime.hardware import bf16_matmul_fast, cpu_flags_line
+
+    fast, why = bf16_matmul_fast("cpu")
+    print(f"{cpu_flags_line()}; bf16 products faster than fp32: {'yes' if fast else 'no'} ({why}); "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     ckpt, data = prepare(a.row_len, work)
@@ -336,7 +378,7 @@ def main():
         return freed_timing(a, work)
     result = {} if a.memory_only else measure(a, ckpt, data, pick_rows(data, a.rows, a.row_len), work)
     print(json.dumps(result), flush=True)
-    if not a.no_memory:
+    if not (a.no_memory or a.bf16):
         # activations, not weights, dominate a 135M model's step at 1,024 tokens (LoRA saves each adapted
         # linear's input as full fine-tuning does): measured as run, and both with gradient checkpointing;
         # then both again with return_freed_memory: true (astrai.train.host_memory)
@@ -357,6 +399,12 @@ def main():
         ok = result["astrai/hf"] >= 1.3 or result["astrai/matmul"] >= 0.85
         print(f"astrai / hf = {result['astrai/hf']:.3f} (target >= 1.3), astrai at 6N = {result['astrai/matmul']:.0%} "
               f"of the matmul rate (target >= 85%): {'PASS' if ok else 'FAIL'}")
+    if "astrai-bf16/astrai" in result:
+        r, h = result["astrai-bf16/astrai"], result["astrai-bf16/hf-bf16"]
+        verdict = ("PASS" if r >= 2 and h >= 1.2 else "FAIL") if fast else "n/a (no bf16 dot products on this CPU)"
+        print(f"astrai bf16-mixed / astrai fp32 = {r:.3f} (target >= 2), astrai bf16-mixed / hf bf16 = {h:.3f} "
+              f"(target >= 1.2): {verdict}; loss rel. diff bf16 vs fp32: "
+              f"{result['loss rel. diff bf16 vs fp32 (max over steps)']} (tolerance 2^-6 = {2 ** -6:.5f})")
     if "memory" in result:
         for key in [k for k in result if k.startswith("lora/full peak RSS")]:
             v = result[key]

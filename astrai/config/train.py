@@ -205,6 +205,10 @@ class TrainOptions(StrictModel):
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
         "float32", description="parameter dtype (float64: for exactness checks, e.g. distributed == one process); "
                                "with lora, the frozen base's: the adapters stay float32")
+    precision: Literal["fp32", "bf16-mixed", "auto"] = Field(
+        "fp32", description="bf16-mixed: float32 weights, gradients and optimizer state, matmuls in bf16 under "
+        "torch.autocast, the loss in float32; auto: bf16-mixed where bf16 products are faster (a CPU with "
+        "avx512_bf16 or amx_bf16, a CUDA GPU of compute capability 8.0+), fp32 elsewhere")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     attention: Literal["auto", "loop", "varlen"] = Field("auto", description="packed attention backend")
     lm_loss: Literal["auto", "full", "chunked", "fused"] = Field(
@@ -269,6 +273,8 @@ class TrainOptions(StrictModel):
                                                                   for b in betas)):
             p.append((("betas",), "betas must be two numbers in [0, 1), e.g. [0.9, 0.95]"))
         p += [(("lora",) + loc, m) for loc, m in LoraOptions.combination_problems(get_in(data, "lora"))]
+        p += precision_problems(get_in(data, "precision"), get_in(data, "dtype", default="float32"),
+                                get_in(data, "lora") is not None)
         online = get_in(data, "rollout") is not None
         if online and strategy != "grpo":
             p.append((("rollout",), f"rollout samples completions for strategy grpo, not {strategy}"))
@@ -305,3 +311,18 @@ def save_every_problems(strategy, save_every, updates) -> list[tuple[tuple, str]
     fix = f"{lo} or {hi}" if lo != hi else str(hi)
     return [(("save_every",), f"save_every {save_every} is not a multiple of grpo_updates {updates}: checkpoints "
                               f"are taken after a batch's last update (where training can resume); use {fix}")]
+
+
+def bf16_mixed_allowed(dtype: str, lora: bool) -> bool:
+    """bf16-mixed keeps float32 master weights: the trained parameters must be float32 (with lora, the
+    frozen base may be bfloat16, never updated; the adapters are float32)."""
+    return dtype == "float32" or (lora and dtype == "bfloat16")
+
+
+def precision_problems(precision, dtype, lora: bool) -> list[tuple[tuple, str]]:
+    if precision != "bf16-mixed" or bf16_mixed_allowed(dtype, lora):
+        return []
+    base = " (with lora: float32 or bfloat16, the frozen base's)" if lora else ""
+    return [(("precision",), f"bf16-mixed keeps float32 master weights and multiplies in bf16 under autocast, "
+                             f"but dtype: {dtype} makes the trained weights {dtype}: set dtype: float32{base}, or "
+                             f"precision: fp32 to train in {dtype}")]

@@ -27,6 +27,10 @@ hidden] for the head) is allocated and no gradient matmul is paid.
 Final logit soft-capping (Gemma's final_logit_softcapping, `softcap`): the loss is taken on
 cap * tanh(z / cap) in every mode; the fused mode multiplies the logits' gradient by 1 - tanh^2.
 
+Mixed precision (bf16-mixed training, astrai.train.precision): under torch.autocast every mode's
+head products are bf16 (the fused mode casts its operands itself: autocast does not reach into its
+custom function) and the logits are widened to float32 before soft-capping and the loss.
+
 Targets: `shift_targets(labels, cu_seqlens)` turns unshifted labels (HF convention) of a packed
 row into next-token targets; the last token of each document gets IGNORE_INDEX, so a document's
 last token is never trained to predict the next document's first token.
@@ -62,8 +66,21 @@ def _ce_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float) -> torch.Tensor
 
 
 def _head(h: torch.Tensor, weight: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
-    z = h @ weight.t()
+    # float32 from here on: under autocast the product is bf16, the soft-capping and the loss are not
+    z = at_least_float32(h @ weight.t())
     return z if softcap is None else torch.tanh(z / softcap) * softcap
+
+
+def _autocast_operands(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused loss's operands in autocast's dtype when autocast is on (bf16-mixed training):
+    autocast does not reach inside a custom autograd function (its products write into preallocated
+    buffers), so they are cast here, as autocast casts a plain head's, and the function runs its
+    half-precision path (bf16 products, float32 softmax, loss and weight-gradient accumulation)."""
+    device = h.device.type
+    if not torch.is_autocast_enabled(device):
+        return h, weight
+    dtype = torch.get_autocast_dtype(device)
+    return h.to(dtype), weight.to(dtype)
 
 
 def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mode: str = "full",
@@ -79,7 +96,7 @@ def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
         return sum(_chunk_ce(h[s:s + chunk], weight, y[s:s + chunk], smoothing, softcap)
                    for s in range(0, h.shape[0], chunk))
     if mode in ("fused", "auto"):  # auto past one chunk: fused, no recompute and one chunk's logits
-        return _FusedLinearCrossEntropy.apply(h, weight, y, chunk, smoothing, softcap)
+        return _FusedLinearCrossEntropy.apply(*_autocast_operands(h, weight), y, chunk, smoothing, softcap)
     if mode == "chunked":
         parts = [checkpoint(_chunk_ce, h[s:s + chunk], weight, y[s:s + chunk], smoothing, softcap,
                             use_reentrant=False) for s in range(0, h.shape[0], chunk)]

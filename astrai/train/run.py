@@ -183,7 +183,7 @@ def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dic
     f = figures(records)
     return {"output": str(out), "final": str(final) if state.stopped is None else None,
             "steps": state.global_step, "loss": f.get("loss"), "val_loss": f.get("val_loss"),
-            "stopped": state.stopped, "skipped_nonfinite": state.skipped_nonfinite,
+            "stopped": state.stopped, "skipped_nonfinite": state.skipped_nonfinite, "precision": trainer.precision.name,
             "seconds": time.perf_counter() - began, "figures": f, "plot": plot,
             "val_data": options.val_data, "strategy": options.strategy, "online": options.rollout is not None,
             "ref_model": options.ref_model or (options.model if options.model not in PRESETS else None),

@@ -77,6 +77,8 @@ def _seconds(s: float) -> str:
 def lines(result: dict) -> list[str]:
     f = result.get("figures") or {}
     head = f"trained {result['steps']} steps in {_seconds(result.get('seconds') or 0.0)}"
+    if result.get("precision"):
+        head += f" ({result['precision']})"
     if "loss" in f:
         head += f": loss {_fmt(f['loss_start'])} -> {_fmt(f['loss'])}"
     out = [head]

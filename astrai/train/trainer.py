@@ -29,6 +29,10 @@ once, wherever the run is (a reward call or a rollout that blocks included): not
 written, and the checkpoints on disk stay as they are (each is renamed into place whole). Hook order:
 astrai.train.callbacks.
 
+Precision (astrai.train.precision): under bf16-mixed every forward (prepare's log-probs, the loss,
+validation) runs under torch.autocast to bf16 while weights, gradients and optimizer state stay
+float32; the choice is printed once when fit begins and saved with each checkpoint.
+
 Non-finite training: before each optimizer step the step's loss (summed over ranks) and gradient
 norm are checked, on every rank alike. A non-finite one stops training with NonFiniteError naming
 the step, before the optimizer moves, so no weight ever becomes NaN; `skip_nonfinite_steps: N`
@@ -62,6 +66,7 @@ from astrai.train.distributed import (Dist, all_sum, full_model_state, gradient_
 from astrai.train.host_memory import return_freed_memory
 from astrai.train.step_metrics import add_metrics, reduce_metrics
 from astrai.train.optim import Schedule, build_optimizer, build_scheduler
+from astrai.train.precision import resolve as resolve_precision
 from astrai.train.report import open_reporters
 from astrai.train.resume_checks import DataOrder
 from astrai.train.strategies import Env, Strategy
@@ -116,6 +121,7 @@ class Trainer:
         self.sharded = is_sharded(self.raw_model)  # fsdp under torchrun: saving and validating are collective
         self.strategy, self.dataset, self.val_dataset = strategy, dataset, val_dataset
         self.env = Env(self.dist.device, _DTYPES[o.dtype], o.attention, o.lm_loss, o.loss_chunk_tokens)
+        self.precision = resolve_precision(o.precision, o.dtype, self.dist.device, o.lora is not None)
         self.sampler = RankSampler(len(dataset), o.batch_size, o.grad_accum, self.dist.rank, self.dist.world,
                                    o.seed, o.shuffle)
         if self.sampler.steps_per_epoch == 0:
@@ -161,7 +167,8 @@ class Trainer:
         self.check_finite_weights(f"the checkpoint of step {st.global_step}")
         st.saved_step = st.global_step
         resume.save(self.checkpoint_dir, st.global_step, self.raw_model, optim_sd, self.scheduler,
-                    {**st.saved(), "options": self.opts.model_dump(mode="json")}, self.dist, self.write_tokenizer,
+                    {**st.saved(), "options": self.opts.model_dump(mode="json"), "precision": self.precision.name},
+                    self.dist, self.write_tokenizer,
                     model_sd, keep=self.opts.keep_last)
 
     def check_finite_weights(self, what: str):
@@ -188,6 +195,8 @@ class Trainer:
         for k in _SAVED:
             setattr(self.state, k, saved.get(k, 0))
         changed = resume.changed_options(saved, self.opts.model_dump(mode="json"))
+        if saved.get("precision", self.precision.name) != self.precision.name:  # auto resolved otherwise here
+            changed.append(f"precision in effect {saved['precision']} -> {self.precision.name}")
         if changed and self.dist.is_main:  # continuing is allowed (a lower lr after a spike), never silent
             print(f"astrai train: resuming {path} (step {self.state.global_step}) with options changed since it was "
                   f"written: {'; '.join(changed)}; to start over instead, use another output or resume: never",
@@ -225,6 +234,8 @@ class Trainer:
                                          f"resume: never starts over only in an output without them: use another "
                                          f"output, or delete {self.checkpoint_dir}")
         previous = self._install_signals()
+        if self.dist.is_main:
+            print(f"astrai train: {self.precision.line()}", file=sys.stderr, flush=True)
         self.raw_model.train()
         self.fire("on_train_begin")
         try:
@@ -263,7 +274,8 @@ class Trainer:
     def _train_window(self, window: list[list[int]]):
         st, d = self.state, self.dist
         batches = self._batches(window)
-        self.strategy.prepare(self.raw_model, batches, window, self.env)
+        with self.precision.autocast():  # old-policy / reference log-probs in the precision of the loss
+            self.strategy.prepare(self.raw_model, batches, window, self.env)
         reshard(self.raw_model)
         units = [self.strategy.units(b) for b in batches]
         step_units = max(all_sum([float(sum(units))], d)[0], 1.0)
@@ -275,7 +287,8 @@ class Trainer:
                 st.synced, st.at_boundary = False, False
                 self.fire("on_batch_begin")
                 with gradient_sync(self.model, d, sync=last):
-                    task, aux, metrics = self.strategy.loss(self.model, b, self.env)
+                    with self.precision.autocast():  # the forward only: backward follows the dtypes it recorded
+                        task, aux, metrics = self.strategy.loss(self.model, b, self.env)
                     loss = task * (d.world / step_units)
                     if aux is not None:
                         loss = loss + (self.aux_coef * n * d.world / step_units) * aux
@@ -368,8 +381,9 @@ class Trainer:
         for s in range(0, n_batches * bs, bs):
             idx = mine[s:s + bs]
             (b,) = self._batches([idx or [0]], self.val_dataset)
-            self.strategy.prepare(self.raw_model, [b], [[-1 - i for i in idx or [0]]], self.env)
-            task, _, metrics = self.strategy.loss(self.raw_model, b, self.env)
+            with self.precision.autocast():
+                self.strategy.prepare(self.raw_model, [b], [[-1 - i for i in idx or [0]]], self.env)
+                task, _, metrics = self.strategy.loss(self.raw_model, b, self.env)
             if idx:
                 sums["loss"] += float(task)
                 add_metrics(sums, counts, metrics)
