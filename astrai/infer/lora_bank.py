@@ -109,19 +109,20 @@ class AdapterBank:
         return 0 if name is None else self.index[name]
 
     def token_mask(self, adapter_ids: list[int], q_lens: list[int], dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor:
-        """[T, n * r]: 1 on the r columns of each token's adapter (none for the base's tokens)."""
+                   device: torch.device) -> dict[int, torch.Tensor]:
+        """{k: [T, k * n * r]} for the group sizes k: 1 on the r columns of each token's adapter in each of
+        the k blocks (none for the base's tokens); made once per step, read by every layer."""
         per_token = torch.tensor([a for a, q in zip(adapter_ids, q_lens) for _ in range(q)], device=device)
         onehot = (per_token[:, None] == torch.arange(1, len(self.names) + 1, device=device)).to(dtype)
-        return onehot.repeat_interleave(self.r, dim=1)
+        mask = onehot.repeat_interleave(self.r, dim=1)
+        return {k: mask if k == 1 else mask.repeat(1, k) for k in {len(p) for p in GROUPS.values()}}
 
-    def delta(self, layer: int, group: str, h: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Tensor]:
+    def delta(self, layer: int, group: str, h: torch.Tensor, masks: dict[int, torch.Tensor]) -> Optional[torch.Tensor]:
         """The low-rank term of `group` in `layer` for input h [T, in] (None when no adapter adapts it)."""
         lr = self.layers[layer].get(group)
         if lr is None:
             return None
-        m = mask if lr.reps == 1 else mask.repeat(1, lr.reps)
-        return ((h @ lr.a_t) * m) @ lr.b_t
+        return (h @ lr.a_t).mul_(masks[lr.reps]) @ lr.b_t
 
 
 def _has(layer, path: str) -> bool:
