@@ -41,7 +41,7 @@ PREPROCESS = StageKind(
     "preprocess", PreprocessOptions, run_preprocess_stage, produces="data",
     refs={"tokenizer": ("tokenizer", "model")}, path_refs=frozenset({"tokenizer"}), files=("inputs", "pipeline"),
     code=("astrai.data", *_CONFIG, "astrai.schema", "astrai.text", "astrai.recipe.preprocess_stage",
-          "astrai.recipe.template_check", "astrai.model.packaged"),
+          "astrai.recipe.template_check", "astrai.model.packaged", "astrai.model.gguf_file", "astrai.model.quant"),
     describe=describe_preprocess, check=check_preprocess, extra=preprocess_extra,
     figures=("records_kept", "tokens", "trained_tokens", "packing_efficiency", "val_records_kept"),
     stamped=("train", "val"))
@@ -93,7 +93,8 @@ def _checkpoint_kind() -> StageKind:
         # what it reads and describes (config), converts (packaged) and how it locates a package; not the
         # whole of astrai.model: a change to the layers would rerun it and, through its output, preprocess
         code=("astrai.recipe.checkpoint_stage", "astrai.model.packaged", "astrai.model.config",
-              "astrai.model.hf_config", "astrai.model.checkpoint_files", "astrai.text",
+              "astrai.model.hf_config", "astrai.model.checkpoint_files", "astrai.model.gguf_file",
+              "astrai.model.quant", "astrai.text",
               "astrai.recipe.template_check", *_CONFIG, "astrai.schema"),
         describe=describe_checkpoint,
         check=check_checkpoint, extra=checkpoint_extra, figures=("architecture", "layers", "vocab_size"))

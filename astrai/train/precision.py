@@ -47,6 +47,12 @@ class Precision:
     def line(self) -> str:
         return f"precision {self.name} ({self.reason})"
 
+    @property
+    def worth_saying(self) -> bool:
+        """Whether the start of training prints the choice: for bf16-mixed and for auto's choice; not for fp32
+        asked for (the default: a run's stderr stays its error line alone, on every machine)."""
+        return not (self.name == "fp32" and self.reason.startswith("asked for"))
+
 
 def resolve(option: str, dtype: str, device, lora: bool = False) -> Precision:
     """The precision a run with these options uses on `device` (auto asks the hardware probe); the

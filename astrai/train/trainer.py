@@ -234,7 +234,7 @@ class Trainer:
                                          f"resume: never starts over only in an output without them: use another "
                                          f"output, or delete {self.checkpoint_dir}")
         previous = self._install_signals()
-        if self.dist.is_main:
+        if self.dist.is_main and self.precision.worth_saying:
             print(f"astrai train: {self.precision.line()}", file=sys.stderr, flush=True)
         self.raw_model.train()
         self.fire("on_train_begin")
