@@ -151,11 +151,11 @@ class Engine:
         if adapters and is_adapter(path):
             raise InputError(f"{path} is an adapter directory: adapters served side by side need a full base "
                              f"checkpoint (give the base, and this adapter as one of them)")
+        checked = None
         if adapters:  # every adapter checked against the base's config before any weight is read
-            from astrai.model.adapter_files import check_adapter
+            from astrai.infer.lora_bank import AdapterBank
 
-            for directory in adapters.values():
-                check_adapter(directory, path)
+            checked = AdapterBank.check(adapters, path)
         model = load_checkpoint(path, base)
         dirs = [path, resolve_base(path, base)] if is_adapter(path) else [path]
         tok_dir = next((d for d in dirs if (d / "tokenizer.json").exists()), None)
@@ -176,17 +176,18 @@ class Engine:
         engine = cls(model, tokenizer, options, eos)
         engine.generation_defaults = defaults
         if adapters:
-            engine.load_adapters(adapters, path)
+            engine.load_adapters(adapters, path, checked)
         return engine
 
-    def load_adapters(self, adapters: dict[str, Union[str, Path]], base_dir: Union[str, Path]) -> None:
+    def load_adapters(self, adapters: dict[str, Union[str, Path]], base_dir: Union[str, Path],
+                      checked: Optional[list] = None) -> None:
         """Serve these LoRA adapters (name -> PEFT directory trained on `base_dir`, this engine's model)
         beside the base: a request names one (`add_request(..., adapter=NAME)`), requests of different
         adapters share a step (astrai.infer.lora_bank), and cached prefixes are never shared across
-        adapters."""
+        adapters. `checked`: AdapterBank.check's result for them, when it already ran."""
         from astrai.infer.lora_bank import AdapterBank
 
-        self.runner.bank = AdapterBank.load(adapters, base_dir, self.model, self.dtype, self.device)
+        self.runner.bank = AdapterBank.load(adapters, base_dir, self.model, self.dtype, self.device, checked)
         self.pool.reset_prefix_cache()
 
     @property

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -43,7 +42,7 @@ from astrai.model.adapter_files import check_adapter, read_adapter, read_adapter
 
 GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
           "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-_SERVED = {f"model.layers.{{}}.{p}" for ps in GROUPS.values() for p in ps}
+_SERVED = {p for ps in GROUPS.values() for p in ps}  # module paths inside a decoder layer
 
 
 @dataclass
@@ -60,24 +59,32 @@ class AdapterBank:
         self.r = max(ranks)
         self.layers = layers
 
-    @classmethod
-    def load(cls, adapters: dict[str, Union[str, os.PathLike]], base_dir: Union[str, os.PathLike], model,
-             dtype: torch.dtype, device: torch.device) -> "AdapterBank":
-        """The bank of `adapters` (name -> PEFT adapter directory) for `model`, loaded from `base_dir`."""
-        configs, tensors = [], []
+    @staticmethod
+    def check(adapters: dict[str, Union[str, os.PathLike]], base_dir: Union[str, os.PathLike]) -> list:
+        """Each adapter's (config, tensor headers), checked against the base's config and the projections a
+        bank serves before any weight is read; AdapterError names the adapter and the module."""
+        checked = []
         for name, directory in adapters.items():
             cfg = read_adapter_config(directory)
             infos, meta = read_adapter_header(directory)
             check_adapter(directory, base_dir, cfg, infos, meta)
             for key in infos:
                 module = key.rpartition(".lora_")[0]
-                parts = module.split(".")
-                if not (len(parts) == 5 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-                        and f"model.layers.{{}}.{parts[3]}.{parts[4]}" in _SERVED):
+                parts = module.split(".", 3)  # model, layers, index, path inside the layer
+                if not (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _SERVED):
                     raise AdapterError(f"adapter {name} ({directory}): {module} is not served beside other adapters "
                                        f"(q/k/v/o and the dense MLP's gate/up/down are); merge it alone instead")
-            configs.append(cfg)
-            tensors.append(read_adapter(directory, infos)[0])
+            checked.append((cfg, infos))
+        return checked
+
+    @classmethod
+    def load(cls, adapters: dict[str, Union[str, os.PathLike]], base_dir: Union[str, os.PathLike], model,
+             dtype: torch.dtype, device: torch.device, checked: Optional[list] = None) -> "AdapterBank":
+        """The bank of `adapters` (name -> PEFT adapter directory) for `model`, loaded from `base_dir`;
+        `checked`: what `check` returned for them, when it already ran."""
+        checked = checked if checked is not None else cls.check(adapters, base_dir)
+        configs = [cfg for cfg, _ in checked]
+        tensors = [read_adapter(directory, infos)[0] for directory, (_, infos) in zip(adapters.values(), checked)]
         n, r = len(configs), max(c.r for c in configs)
         layers = []
         for i, layer in enumerate(model.model.layers):
@@ -131,17 +138,3 @@ def _has(layer, path: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-def parse_lora_args(items: list[str]) -> dict[str, Path]:
-    """`NAME=DIR` items (serve's --lora) -> {name: directory}; a malformed or repeated name is an AdapterError."""
-    out: dict[str, Path] = {}
-    for item in items:
-        name, sep, directory = item.partition("=")
-        name = name.strip()
-        if not sep or not name or not directory.strip():
-            raise AdapterError(f"--lora {item!r}: expected NAME=DIR (the model id clients send, the adapter directory)")
-        if name in out:
-            raise AdapterError(f"--lora {name}: given twice")
-        out[name] = Path(directory.strip()).expanduser()
-    return out
