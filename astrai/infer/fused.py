@@ -14,6 +14,10 @@ Qwen3-MoE). Prefill, decode, the compiled decode (astrai.infer.compiled) and the
     a sparse layer routes instead (`experts_forward`)
     final norm; logits = head matmul, soft-capped when the config says so (Gemma)
 
+On a CPU with several threads the products of a step of up to SPLIT_N_ROWS rows run as one batched
+product of as many pieces as threads (`matmul`): MKL gives one or a few rows times a weight fewer threads
+than it has (a single row: one), so a decode step would stream its weights on one core.
+
 RoPE uses cos/sin gathered once per step per distinct RoPE (`ctx.rope_tables`: Gemma 3's local
 layers have their own), shared by the layers that use it, as x * cos + swap_halves(x) * sin_signed,
 where sin_signed is sin with its first half negated: the same products and sum as Hugging Face's
@@ -27,6 +31,8 @@ a CUDA graph (`static=True`) the token count per expert cannot be read on the ho
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +53,7 @@ class FusedModel:
         self.act = activation(c.hidden_act)
         self.builds = 0  # how many times the weights were packed (tests watch the rebuilds)
         self.own_rows = OWN_ROWS
+        self.threads = None  # the pieces of a split product (`split_parts`); None: torch's thread count
         # (AdapterBank, token mask) while a step with adapter tokens runs (astrai.infer.lora_bank), else None
         self.lora = None
         self.rebuild()
@@ -81,17 +88,21 @@ class FusedModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        return self.model.cap_logits(hidden @ p.head_t if p.head_t is not None else F.linear(hidden, p.head))
+        if p.head_t is None:
+            return self.model.cap_logits(F.linear(hidden, p.head))
+        return self.model.cap_logits(matmul(hidden, p.head_t, split_parts(hidden, self.threads)))
 
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         lora = self.lora  # LoRA adapters' terms, added to each projection group's output
-        own = self.own_rows[0] <= t <= self.own_rows[1]  # the model's own weights, one matmul per projection
+        parts = split_parts(x, self.threads)
+        # the model's own weights, one matmul per projection (unless the products are split)
+        own = parts == 1 and self.own_rows[0] <= t <= self.own_rows[1]
         h = self.norm(x, w.attn_norm)
         if own:
             qkv = torch.cat([F.linear(h, *w.own[n]) for n in ("q", "k", "v")], 1)
         else:
-            qkv = h @ w.qkv_t if w.qkv_b is None else torch.addmm(w.qkv_b, h, w.qkv_t)
+            qkv = matmul(h, w.qkv_t, parts, w.qkv_b)
         qkv = _plus(qkv, lora and lora[0].delta(i, "qkv", h, lora[1]))
         qkv = qkv.view(t, hq + 2 * hkv, d)
         qk = qkv[:, :hq + hkv]
@@ -105,7 +116,7 @@ class FusedModel:
             q, k = ctx.rotary(qk[:, :hq], qk[:, hq:], position_ids, w.rope)
         o = ctx.attend(i, q, k, qkv[:, hq + hkv:], window=w.window, scale=self.scale).reshape(t, hq * d)
         x = self._residual(x, o, w.own["o"][0].t() if own else w.o_t, w.o_b, w.attn_out_norm,
-                           lora and lora[0].delta(i, "o", o, lora[1]))
+                           lora and lora[0].delta(i, "o", o, lora[1]), parts)
         h = self.norm(x, w.ffn_norm)
         if w.experts is not None:
             y = experts_forward(h, w.experts, self.act, static)
@@ -117,25 +128,61 @@ class FusedModel:
             if own:
                 gu = torch.cat([F.linear(h, *w.own["gate"]), F.linear(h, *w.own["up"])], 1)
             else:
-                gu = h @ w.gate_up_t if w.gate_up_b is None else torch.addmm(w.gate_up_b, h, w.gate_up_t)
+                gu = matmul(h, w.gate_up_t, parts, w.gate_up_b)
             gu = _plus(gu, extra)
             inter = gu.shape[-1] // 2
             act = self.act(gu[:, :inter]).mul_(gu[:, inter:])
         return self._residual(x, act, w.down_t, w.down_b, w.ffn_out_norm,
-                              lora and lora[0].delta(i, "down", act, lora[1]))
+                              lora and lora[0].delta(i, "down", act, lora[1]), parts)
 
-    def _residual(self, x, a, weight_t, bias, out_norm, extra=None):
+    def _residual(self, x, a, weight_t, bias, out_norm, extra=None, parts=1):
         """x + (a @ weight_t + bias + extra), the branch normalised first where the family does (Gemma);
-        `extra`: the adapters' low-rank term of the projection, or None."""
-        if out_norm is None and bias is None and extra is None:
+        `extra`: the adapters' low-rank term of the projection, or None; `parts`: see `matmul`."""
+        if out_norm is None and bias is None and extra is None and not _splits(a, weight_t, parts):
             return torch.addmm(x, a, weight_t)
-        y = a @ weight_t if bias is None else torch.addmm(bias, a, weight_t)
-        y = _plus(y, extra)
+        y = _plus(matmul(a, weight_t, parts, bias), extra)
         return x + (y if out_norm is None else self.norm(y, out_norm))
 
 
 def _plus(y: torch.Tensor, extra) -> torch.Tensor:
     return y if extra is None else y + extra
+
+
+# CPU steps of at most SPLIT_K_ROWS rows split their products' inner dimension across torch's threads,
+# steps of up to SPLIT_N_ROWS rows their output dimension; larger ones are MKL's own products
+SPLIT_K_ROWS = 3
+SPLIT_N_ROWS = 128
+
+
+def split_parts(x: torch.Tensor, threads: Optional[int] = None) -> int:
+    """How many pieces `matmul` splits a step's products into: `threads` (default torch's thread count)
+    for a CPU step of at most SPLIT_N_ROWS rows, else 1. MKL multiplies a few rows by a weight on fewer
+    threads than it is given (one row: one thread); a batched product (bmm) of the pieces runs them side
+    by side."""
+    if x.device.type != "cpu" or x.shape[0] > SPLIT_N_ROWS:
+        return 1
+    return torch.get_num_threads() if threads is None else threads
+
+
+def _splits(a: torch.Tensor, w_t: torch.Tensor, parts: int) -> bool:
+    if parts < 2:
+        return False
+    return w_t.shape[0 if a.shape[0] <= SPLIT_K_ROWS else 1] % parts == 0
+
+
+def matmul(a: torch.Tensor, w_t: torch.Tensor, parts: int = 1, bias=None) -> torch.Tensor:
+    """a [T, K] @ w_t [K, N] (+ bias). With parts > 1 (`split_parts`) the product runs as one batched
+    product of `parts` pieces: K cut into equal pieces whose products are summed (the same products added
+    in another order) for at most SPLIT_K_ROWS rows, N cut into equal column blocks otherwise."""
+    if not _splits(a, w_t, parts):
+        return a @ w_t if bias is None else torch.addmm(bias, a, w_t)
+    (t, k), n = a.shape, w_t.shape[1]
+    if t <= SPLIT_K_ROWS:
+        y = torch.bmm(a.reshape(t, parts, k // parts).transpose(0, 1), w_t.view(parts, k // parts, n)).sum(0)
+    else:
+        y = torch.bmm(a.expand(parts, t, k), w_t.view(k, parts, n // parts).transpose(0, 1))
+        y = y.transpose(0, 1).reshape(t, n)
+    return y if bias is None else y.add_(bias)
 
 
 def experts_forward(x: torch.Tensor, e: Experts, act, static: bool = False) -> torch.Tensor:

@@ -14,11 +14,12 @@
                 the routing rule (top k, renormalised or not, weights cast back or kept in float32)
 
 and the embedding, the final norm and the LM head (a transposed contiguous copy on the CPU: MKL
-streams [hidden, vocab] faster for the few rows of a decode step). Input-major is the layout MKL's
-matrix-vector product streams fastest at one or two tokens per step; from 4 to 32 rows (a batch of
-decoding requests, a short chunk) the model's own [out, in] weights are the faster layout, so those
-steps use them (`own`, no copies); from 32 rows up the layouts are level (bench/cpu_ops.py
---decode-weights; figures in bench/RESULTS.md). The copies cost every projection weight but down
+streams [hidden, vocab] faster for the few rows of a decode step). On one thread input-major is the
+layout MKL's matrix-vector product streams fastest at one or two tokens per step; from 4 to 32 rows (a
+batch of decoding requests, a short chunk) the model's own [out, in] weights are the faster layout, so
+those steps use them (`own`, no copies); from 32 rows up the layouts are level (bench/cpu_ops.py
+--decode-weights; figures in bench/RESULTS.md). On more threads the fused forward splits the products
+of small steps over the input-major copies instead (astrai.infer.fused.matmul). The copies cost every projection weight but down
 once more in memory (319 MB for SmolLM2-135M in float32).
 
 LoRA: a LoraLinear projection (astrai.model.lora) is read as its merged weight W + (alpha/r) B A

@@ -45,13 +45,17 @@ def step_logits(engine, batch, fused: bool):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("own_rows", [(0, -1), OWN_ROWS, (1, 1 << 30)], ids=["input-major", "default", "own"])
-def test_fused_step_logits_equal_the_model_forward(tiny_path, page_size, own_rows):
+@pytest.mark.parametrize("own_rows,threads", [((0, -1), 1), (OWN_ROWS, 1), ((1, 1 << 30), 1), (OWN_ROWS, 2),
+                                              (OWN_ROWS, 4)],
+                         ids=["input-major", "default", "own", "split-2", "split-4"])
+def test_fused_step_logits_equal_the_model_forward(tiny_path, page_size, own_rows, threads):
     """Ragged prefill with a cached prefix, chunked prefill mixed with decode, then pure decode steps;
-    every step on the input-major copies, on the model's own weights, or as the row count chooses."""
+    every step on the input-major copies, on the model's own weights, as the row count chooses, or with
+    the products split into 2 or 4 pieces (inner dimension for 1-3 rows, output dimension above)."""
     engine = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", page_size=page_size, max_step_tokens=24,
                                                                  max_running=8))
     engine.runner.fused.own_rows = own_rows
+    engine.runner.fused.threads = threads
     engine.generate(prompts(0)[:1], SamplingParams(max_tokens=1, temperature=0.0))  # a prefix in the radix cache
     for p in prompts(1):
         engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -180,8 +184,9 @@ def family(request, tmp_path_factory):
     return name, hf, path
 
 
-@pytest.mark.parametrize("own_rows", [(0, -1), (1, 1 << 30)], ids=["input-major", "own"])
-def test_every_family_runs_the_one_forward(family, own_rows):
+@pytest.mark.parametrize("own_rows,threads", [((0, -1), 1), ((1, 1 << 30), 1), (OWN_ROWS, 2)],
+                         ids=["input-major", "own", "split"])
+def test_every_family_runs_the_one_forward(family, own_rows, threads):
     """Every family (biases, q/k norms, Gemma's norms, scale, soft-capping and local/global layers, sliding
     windows, experts) on the engine's forward: ragged prefill with a radix-cached prefix, chunked prefill mixed
     with decode, decode past the window of 8; each step's logits equal the model's own forward (1e-4, float32),
@@ -190,6 +195,7 @@ def test_every_family_runs_the_one_forward(family, own_rows):
     engine = Engine(load_model(path), options=EngineOptions(device="cpu", page_size=4, max_step_tokens=24,
                                                             max_running=8))
     engine.runner.fused.own_rows = own_rows
+    engine.runner.fused.threads = threads
     rng = random.Random(list(CASES).index(name))
     shared = [rng.randrange(256) for _ in range(13)]
     ps = [shared + [rng.randrange(256) for _ in range(n)] for n in (1, 6, 19)] + [[rng.randrange(256)] * 3]
@@ -270,3 +276,23 @@ def test_experts_grouped_and_gathered_equal_the_models_layer(layout, dtype):
             got = experts_forward(x, experts, activation(cfg.hidden_act), static=static)
             assert got.dtype == dtype
             torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33, 128, 129])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["input-major", "transposed view"])
+def test_split_products_equal_the_plain_product(rows, parts, layout):
+    """`matmul`'s split products (inner dimension for 1-3 rows, output dimension up to SPLIT_N_ROWS, the
+    plain product above or where a dimension does not divide) against float64, with and without a bias,
+    on a contiguous [in, out] weight and on the transposed view of an [out, in] one (the down projection)."""
+    from astrai.infer.fused import matmul, split_parts
+
+    torch.manual_seed(rows * 10 + parts)
+    k, n = 96, 60
+    w_t = torch.randn(k, n) if layout == "input-major" else torch.randn(n, k).t()
+    a, bias = torch.randn(rows, k), torch.randn(n)
+    assert split_parts(a, parts) == (parts if rows <= 128 else 1)
+    want = a.double() @ w_t.double()
+    torch.testing.assert_close(matmul(a, w_t, split_parts(a, parts)).double(), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(matmul(a, w_t, split_parts(a, parts), bias).double(), want + bias.double(),
+                               atol=1e-4, rtol=1e-5)
