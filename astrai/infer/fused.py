@@ -47,7 +47,7 @@ class FusedModel:
         self.act = activation(c.hidden_act)
         self.builds = 0  # how many times the weights were packed (tests watch the rebuilds)
         self.own_rows = OWN_ROWS
-        # (AdapterBank, token mask) while a step with adapter tokens runs (astrai.infer.lora_bank), else None
+        # (AdapterBank, its Rows for the step) while a step with adapter tokens runs (astrai.infer.lora_bank), else None
         self.lora = None
         self.rebuild()
 

@@ -8,22 +8,26 @@ dtype, per layer and per packed projection group:
     qkv      q_proj, k_proj, v_proj      o        o_proj
     gate_up  gate_proj, up_proj          down     down_proj
 
-For a group of projections p, with r the largest rank of the adapters:
+For a group of projections p, with r the largest rank of the adapters, adapter j holds
 
-    a_t  [in, len(p) * n * r]       column block (p, j) = A_j(p)^T of adapter j (zero where adapter j
-                                    does not adapt p, or past its own rank)
-    b_t  [len(p) * n * r, sum out]  block-diagonal over p; row block (p, j) = scaling_j * B_j(p)^T
+    a[j]  [in, len(p) * r]        column block p = A_j(p)^T (zero where adapter j does not adapt p, or
+                                  past its own rank)
+    b[j]  [len(p) * r, sum out]   block-diagonal over p; row block p = scaling_j * B_j(p)^T
 
-A step whose tokens belong to requests of different adapters (0 = the base) computes, for a
-projection group's input h [T, in] and its output y = h @ W (the packed base weights),
+A step whose tokens belong to requests of different adapters (0 = the base) gathers its tokens by
+adapter once (`AdapterBank.rows`: the adapters present, from the first to the last, each with m
+slots, m the most tokens any of them has; a slot past an adapter's tokens is padding), and computes
+for a projection group's input h [T, in] and its output y = h @ W (the packed base weights)
 
-    y + ((h @ a_t) * mask) @ b_t,     mask [T, len(p) * n * r] = 1 on the token's adapter's blocks
+    y + back((gather(h) @ a) @ b)        two batched matmuls over the adapters, [n, m, in] @ [n, in, k r]
 
-so a token's low-rank term is exactly its own adapter's (the other blocks multiply by 0 and add
-0), the whole batch in two matmuls per group whatever the mix of adapters (rank n * r columns:
-small next to the base's). The result equals the adapter merged into the base (W + s B A, as
-`load_checkpoint` serves one adapter) up to the rounding of the two ways of summing. Steps
-without adapter tokens run the plain forward and pay nothing.
+where gather puts each token in a slot of its adapter and back reads each token's row out of its
+slot again (a base token reads a padding slot, whose intermediate is multiplied by 0). So each token
+multiplies by its own adapter's weights only, and no Python runs per adapter: a step of T tokens
+over n adapters costs T (in + out) k r multiply-adds per group, against n times that for one product
+of every token with every adapter's weights. The result equals the adapter merged into the base
+(W + s B A, as `load_checkpoint` serves one adapter) up to the rounding of the two ways of summing.
+Steps without adapter tokens run the plain forward and pay nothing.
 
 Adapters may target the attention and dense MLP projections; the LM head, the embeddings and
 experts are refused by name (their products are not in these groups).
@@ -47,9 +51,20 @@ _SERVED = {p for ps in GROUPS.values() for p in ps}  # module paths inside a dec
 
 @dataclass
 class LowRank:
-    a_t: torch.Tensor  # [in, groups * n * r]
-    b_t: torch.Tensor  # [groups * n * r, out]
-    reps: int  # projections in the group
+    a: torch.Tensor  # [n, in, k * r]: adapter j's A(p)^T side by side over the group's k projections
+    b: torch.Tensor  # [n, k * r, out]: adapter j's scaling * B(p)^T, block-diagonal over the projections
+
+
+@dataclass
+class Rows:
+    """Where a step's tokens sit among the adapters' slots (`AdapterBank.rows`): the adapters lo..hi-1
+    (0-based), m slots each."""
+    lo: int
+    hi: int
+    m: int
+    gather: Optional[torch.Tensor]  # [(hi - lo) * m]: the token in each slot (None: the tokens in order)
+    back: Optional[torch.Tensor]  # [T]: each token's slot (None: slot t is token t)
+    pad: Optional[torch.Tensor]  # [hi - lo, m, 1]: 0 on padding slots, 1 elsewhere (None: no padding)
 
 
 class AdapterBank:
@@ -94,20 +109,19 @@ class AdapterBank:
                 keys = [f"model.layers.{i}.{p}" for p in projs]
                 if not any(f"{k}.lora_A.weight" in t for k in keys for t in tensors):
                     continue
-                a_t = torch.zeros(mods[0].in_features, len(projs) * n * r, dtype=torch.float32)
-                b_t = torch.zeros(len(projs) * n * r, sum(m.out_features for m in mods), dtype=torch.float32)
+                a = torch.zeros(n, mods[0].in_features, len(projs) * r, dtype=torch.float32)
+                b = torch.zeros(n, len(projs) * r, sum(m.out_features for m in mods), dtype=torch.float32)
                 col = 0
                 for pi, (m, key) in enumerate(zip(mods, keys)):
                     for j, (cfg, t) in enumerate(zip(configs, tensors)):
-                        a, b = t.get(f"{key}.lora_A.weight"), t.get(f"{key}.lora_B.weight")
-                        if a is None:
+                        lora_a, lora_b = t.get(f"{key}.lora_A.weight"), t.get(f"{key}.lora_B.weight")
+                        if lora_a is None:
                             continue
-                        rows = slice((pi * n + j) * r, (pi * n + j) * r + cfg.r)
-                        a_t[:, rows] = a.float().t()
-                        b_t[rows, col:col + m.out_features] = cfg.scaling * b.float().t()
+                        rows = slice(pi * r, pi * r + cfg.r)
+                        a[j, :, rows] = lora_a.float().t()
+                        b[j, rows, col:col + m.out_features] = cfg.scaling * lora_b.float().t()
                     col += m.out_features
-                groups[group] = LowRank(a_t.to(device=device, dtype=dtype), b_t.to(device=device, dtype=dtype),
-                                        len(projs))
+                groups[group] = LowRank(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
             layers.append(groups)
         return cls(list(adapters), [c.r for c in configs], layers)
 
@@ -115,21 +129,49 @@ class AdapterBank:
         """0 for the base (None), the adapter's index otherwise; KeyError for a name the bank lacks."""
         return 0 if name is None else self.index[name]
 
-    def token_mask(self, adapter_ids: list[int], q_lens: list[int], dtype: torch.dtype,
-                   device: torch.device) -> dict[int, torch.Tensor]:
-        """{k: [T, k * n * r]} for the group sizes k: 1 on the r columns of each token's adapter in each of
-        the k blocks (none for the base's tokens); made once per step, read by every layer."""
-        per_token = torch.tensor([a for a, q in zip(adapter_ids, q_lens) for _ in range(q)], device=device)
-        onehot = (per_token[:, None] == torch.arange(1, len(self.names) + 1, device=device)).to(dtype)
-        mask = onehot.repeat_interleave(self.r, dim=1)
-        return {k: mask if k == 1 else mask.repeat(1, k) for k in {len(p) for p in GROUPS.values()}}
+    def rows(self, adapter_ids: list[int], q_lens: list[int], dtype: torch.dtype, device: torch.device) -> Rows:
+        """The slots of a step's tokens (request i: q_lens[i] tokens of adapter adapter_ids[i]); made once per
+        step on the host, read by every layer. At least one adapter id is not 0."""
+        per_token = [a for a, q in zip(adapter_ids, q_lens) for _ in range(q)]
+        present = sorted({a for a in per_token if a})
+        lo, hi = present[0] - 1, present[-1]
+        slots: list[list[int]] = [[] for _ in range(hi - lo)]
+        for t, a in enumerate(per_token):
+            if a:
+                slots[a - 1 - lo].append(t)
+        m = max(map(len, slots))
+        if 0 in per_token and all(len(s) == m for s in slots):
+            m += 1  # a padding slot for the base's tokens to read
+        gather = [s[k] if k < len(s) else 0 for s in slots for k in range(m)]
+        back, pad_slot = [0] * len(per_token), None
+        for j, s in enumerate(slots):
+            for k, t in enumerate(s):
+                back[t] = j * m + k
+            if len(s) < m and pad_slot is None:
+                pad_slot = j * m + len(s)
+        for t, a in enumerate(per_token):
+            if not a:
+                back[t] = pad_slot
+        ordered = gather == list(range(len(gather)))
+        pad = None
+        if any(len(s) < m for s in slots):
+            pad = torch.tensor([[1.0] * len(s) + [0.0] * (m - len(s)) for s in slots], dtype=dtype, device=device)
+            pad = pad[:, :, None]
+        return Rows(lo, hi, m, None if ordered else torch.tensor(gather, device=device),
+                    None if back == list(range(len(back))) else torch.tensor(back, device=device), pad)
 
-    def delta(self, layer: int, group: str, h: torch.Tensor, masks: dict[int, torch.Tensor]) -> Optional[torch.Tensor]:
-        """The low-rank term of `group` in `layer` for input h [T, in] (None when no adapter adapts it)."""
+    def delta(self, layer: int, group: str, h: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:
+        """The low-rank term [T, out] of `group` in `layer` for input h [T, in] (None when no adapter adapts it)."""
         lr = self.layers[layer].get(group)
         if lr is None:
             return None
-        return (h @ lr.a_t).mul_(masks[lr.reps]) @ lr.b_t
+        n = rows.hi - rows.lo
+        hg = h if rows.gather is None else h.index_select(0, rows.gather)
+        u = torch.bmm(hg.reshape(n, rows.m, h.shape[1]), lr.a[rows.lo:rows.hi])
+        if rows.pad is not None:
+            u.mul_(rows.pad)
+        y = torch.bmm(u, lr.b[rows.lo:rows.hi]).view(n * rows.m, -1)
+        return y if rows.back is None else y.index_select(0, rows.back)
 
 
 def _has(layer, path: str) -> bool:
