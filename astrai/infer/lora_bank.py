@@ -36,7 +36,7 @@ experts are refused by name (their products are not in these groups).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -52,7 +52,9 @@ _SERVED = {p for ps in GROUPS.values() for p in ps}  # module paths inside a dec
 @dataclass
 class LowRank:
     a: torch.Tensor  # [n, in, k * r]: adapter j's A(p)^T side by side over the group's k projections
-    b: torch.Tensor  # [n, k * r, out]: adapter j's scaling * B(p)^T, block-diagonal over the projections
+    # per run of consecutive projections of one output size o, L of them: ([n * L, r, o], L), row j * L + p
+    # = adapter j's scaling * B(p)^T
+    runs: list[tuple[torch.Tensor, int]]
 
 
 @dataclass
@@ -63,8 +65,19 @@ class Rows:
     hi: int
     m: int
     gather: Optional[torch.Tensor]  # [(hi - lo) * m]: the token in each slot (None: the tokens in order)
-    back: Optional[torch.Tensor]  # [T]: each token's slot (None: slot t is token t)
     pad: Optional[torch.Tensor]  # [hi - lo, m, 1]: 0 on padding slots, 1 elsewhere (None: no padding)
+    slot: list[int]  # each token's slot (a base token: a padding one)
+    device: torch.device
+    _back: dict = field(default_factory=dict)
+
+    def back(self, reps: int) -> Optional[torch.Tensor]:
+        """[T * reps]: for token t and projection p < reps, the row (j * reps + p) * m + s of the run's
+        product [n * reps * m, o] that holds it (slot j * m + s); None when that is row t itself."""
+        if reps not in self._back:
+            m = self.m
+            rows = [(s // m * reps + p) * m + s % m for s in self.slot for p in range(reps)]
+            self._back[reps] = None if rows == list(range(len(rows))) else torch.tensor(rows, device=self.device)
+        return self._back[reps]
 
 
 class AdapterBank:
@@ -110,18 +123,20 @@ class AdapterBank:
                 if not any(f"{k}.lora_A.weight" in t for k in keys for t in tensors):
                     continue
                 a = torch.zeros(n, mods[0].in_features, len(projs) * r, dtype=torch.float32)
-                b = torch.zeros(n, len(projs) * r, sum(m.out_features for m in mods), dtype=torch.float32)
-                col = 0
-                for pi, (m, key) in enumerate(zip(mods, keys)):
+                bs = [torch.zeros(n, r, m.out_features, dtype=torch.float32) for m in mods]
+                for pi, key in enumerate(keys):
                     for j, (cfg, t) in enumerate(zip(configs, tensors)):
                         lora_a, lora_b = t.get(f"{key}.lora_A.weight"), t.get(f"{key}.lora_B.weight")
-                        if lora_a is None:
-                            continue
-                        rows = slice(pi * r, pi * r + cfg.r)
-                        a[j, :, rows] = lora_a.float().t()
-                        b[j, rows, col:col + m.out_features] = cfg.scaling * lora_b.float().t()
-                    col += m.out_features
-                groups[group] = LowRank(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+                        if lora_a is not None:
+                            a[j, :, pi * r:pi * r + cfg.r] = lora_a.float().t()
+                            bs[pi][j, :cfg.r] = cfg.scaling * lora_b.float().t()
+                runs, start = [], 0
+                for pi in range(1, len(bs) + 1):  # consecutive projections of one output size share a product
+                    if pi == len(bs) or bs[pi].shape != bs[start].shape:
+                        b = torch.stack(bs[start:pi], 1).flatten(0, 1)  # [n * L, r, o], adapter-major
+                        runs.append((b.to(device=device, dtype=dtype), pi - start))
+                        start = pi
+                groups[group] = LowRank(a.to(device=device, dtype=dtype), runs)
             layers.append(groups)
         return cls(list(adapters), [c.r for c in configs], layers)
 
@@ -143,35 +158,42 @@ class AdapterBank:
         if 0 in per_token and all(len(s) == m for s in slots):
             m += 1  # a padding slot for the base's tokens to read
         gather = [s[k] if k < len(s) else 0 for s in slots for k in range(m)]
-        back, pad_slot = [0] * len(per_token), None
+        slot, pad_slot = [0] * len(per_token), None
         for j, s in enumerate(slots):
             for k, t in enumerate(s):
-                back[t] = j * m + k
+                slot[t] = j * m + k
             if len(s) < m and pad_slot is None:
                 pad_slot = j * m + len(s)
         for t, a in enumerate(per_token):
             if not a:
-                back[t] = pad_slot
-        ordered = gather == list(range(len(gather)))
+                slot[t] = pad_slot
         pad = None
         if any(len(s) < m for s in slots):
             pad = torch.tensor([[1.0] * len(s) + [0.0] * (m - len(s)) for s in slots], dtype=dtype, device=device)
             pad = pad[:, :, None]
-        return Rows(lo, hi, m, None if ordered else torch.tensor(gather, device=device),
-                    None if back == list(range(len(back))) else torch.tensor(back, device=device), pad)
+        ordered = gather == list(range(len(gather)))
+        return Rows(lo, hi, m, None if ordered else torch.tensor(gather, device=device), pad, slot, device)
 
     def delta(self, layer: int, group: str, h: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:
         """The low-rank term [T, out] of `group` in `layer` for input h [T, in] (None when no adapter adapts it)."""
         lr = self.layers[layer].get(group)
         if lr is None:
             return None
-        n = rows.hi - rows.lo
+        n, m, r, t = rows.hi - rows.lo, rows.m, self.r, h.shape[0]
         hg = h if rows.gather is None else h.index_select(0, rows.gather)
-        u = torch.bmm(hg.reshape(n, rows.m, h.shape[1]), lr.a[rows.lo:rows.hi])
+        u = torch.bmm(hg.reshape(n, m, h.shape[1]), lr.a[rows.lo:rows.hi])  # [n, m, k r]
         if rows.pad is not None:
             u.mul_(rows.pad)
-        y = torch.bmm(u, lr.b[rows.lo:rows.hi]).view(n * rows.m, -1)
-        return y if rows.back is None else y.index_select(0, rows.back)
+        out, col = [], 0
+        for b, reps in lr.runs:
+            part = u[..., col:col + reps * r]
+            col += reps * r
+            if reps > 1:  # [n, m, L r] -> [n L, m, r]: adapter j's projection p at j L + p, as b's rows
+                part = part.reshape(n, m, reps, r).transpose(1, 2).reshape(n * reps, m, r)
+            y = torch.bmm(part, b[rows.lo * reps:rows.hi * reps]).view(n * reps * m, -1)
+            back = rows.back(reps)
+            out.append((y if back is None else y.index_select(0, back)).view(t, -1))
+        return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
 def _has(layer, path: str) -> bool:

@@ -25,12 +25,10 @@ SPECS = {  # different ranks, scalings and targets
 }
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bank")
+def _bank_dirs(root, cfg):
     torch.manual_seed(0)
     base = root / "base"
-    save_model(CausalLM(CFG), base)
+    save_model(CausalLM(cfg), base)
     out = {}
     for seed, (name, spec) in enumerate(SPECS.items(), 1):
         model = load_model(base)
@@ -42,6 +40,18 @@ def dirs(tmp_path_factory):
         save_adapter(model, root / name)
         out[name] = root / name
     return base, out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return _bank_dirs(tmp_path_factory.mktemp("bank"), CFG)
+
+
+@pytest.fixture(scope="module")
+def both_dirs(dirs, tmp_path_factory):  # grouped-query attention (k/v narrower than q) and not (q, k, v alike)
+    mha = ModelConfig.preset("tiny", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_key_value_heads=CFG.num_attention_heads)
+    return {"gqa": dirs, "mha": _bank_dirs(tmp_path_factory.mktemp("bank_mha"), mha)}
 
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [7, 7, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -87,8 +97,9 @@ def test_step_logits_match_the_merged_weights_within_float32_rounding(dirs):
     ([3, 3], [5, 2]),  # one adapter only
     ([1, 0], [1, 1]),
 ])
-def test_each_tokens_low_rank_term_is_its_own_adapters_product(dirs, ids, q_lens):
-    base, adapters = dirs
+@pytest.mark.parametrize("attention", ["gqa", "mha"])
+def test_each_tokens_low_rank_term_is_its_own_adapters_product(both_dirs, attention, ids, q_lens):
+    base, adapters = both_dirs[attention]
     model = load_model(base)
     bank = AdapterBank.load(adapters, base, model, torch.float32, torch.device("cpu"))
     names = list(adapters)
