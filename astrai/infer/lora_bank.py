@@ -8,26 +8,30 @@ dtype, per layer and per packed projection group:
     qkv      q_proj, k_proj, v_proj      o        o_proj
     gate_up  gate_proj, up_proj          down     down_proj
 
-For a group of projections p, with r the largest rank of the adapters, adapter j holds
+For a group of k projections p, with r the largest rank of the adapters, adapter j holds
 
-    a[j]  [in, len(p) * r]        column block p = A_j(p)^T (zero where adapter j does not adapt p, or
-                                  past its own rank)
-    b[j]  [len(p) * r, sum out]   block-diagonal over p; row block p = scaling_j * B_j(p)^T
+    a[j]         [in, k * r]   column block p = A_j(p)^T (zero where adapter j does not adapt p, or
+                               past its own rank)
+    b[j * L + p] [r, o]        scaling_j * B_j(p)^T, per run of L consecutive projections of one
+                               output width o (q alone and k, v together under grouped-query
+                               attention; gate and up together)
 
-A step whose tokens belong to requests of different adapters (0 = the base) gathers its tokens by
+A step whose tokens belong to requests of different adapters (0 = the base) places its tokens by
 adapter once (`AdapterBank.rows`: the adapters present, from the first to the last, each with m
 slots, m the most tokens any of them has; a slot past an adapter's tokens is padding), and computes
 for a projection group's input h [T, in] and its output y = h @ W (the packed base weights)
 
-    y + back((gather(h) @ a) @ b)        two batched matmuls over the adapters, [n, m, in] @ [n, in, k r]
+    u = gather(h) @ a               one batched matmul, [n, m, in] @ [n, in, k r]
+    y + back(u_run @ b_run)         per run, one batched matmul, [n L, m, r] @ [n L, r, o]
 
-where gather puts each token in a slot of its adapter and back reads each token's row out of its
-slot again (a base token reads a padding slot, whose intermediate is multiplied by 0). So each token
-multiplies by its own adapter's weights only, and no Python runs per adapter: a step of T tokens
-over n adapters costs T (in + out) k r multiply-adds per group, against n times that for one product
-of every token with every adapter's weights. The result equals the adapter merged into the base
-(W + s B A, as `load_checkpoint` serves one adapter) up to the rounding of the two ways of summing.
-Steps without adapter tokens run the plain forward and pay nothing.
+where gather puts each token in a slot of its adapter (padding slots multiplied by 0) and back reads
+each token's rows out of its slot again (a base token reads a padding slot: exactly 0). So each
+token multiplies by its own adapter's weights only, with no Python per adapter: n m r (k in + sum of
+out) multiply-adds per group (n m: the T tokens and the padding), against T n r (k in + k sum of out)
+when every token meets every adapter's stacked weights under a mask, B block-diagonal. The result
+equals the adapter merged into the base (W + s B A, as `load_checkpoint` serves one adapter) up to
+the rounding of the two ways of summing. Steps without adapter tokens run the plain forward and pay
+nothing.
 
 Adapters may target the attention and dense MLP projections; the LM head, the embeddings and
 experts are refused by name (their products are not in these groups).
