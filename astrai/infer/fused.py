@@ -54,7 +54,7 @@ class FusedModel:
         self.builds = 0  # how many times the weights were packed (tests watch the rebuilds)
         self.own_rows = OWN_ROWS
         self.threads = None  # the pieces of a split product (`split_parts`); None: torch's thread count
-        # (AdapterBank, token mask) while a step with adapter tokens runs (astrai.infer.lora_bank), else None
+        # (AdapterBank, its Rows for the step) while a step with adapter tokens runs (astrai.infer.lora_bank), else None
         self.lora = None
         self.rebuild()
 

@@ -8,22 +8,30 @@ dtype, per layer and per packed projection group:
     qkv      q_proj, k_proj, v_proj      o        o_proj
     gate_up  gate_proj, up_proj          down     down_proj
 
-For a group of projections p, with r the largest rank of the adapters:
+For a group of k projections p, with r the largest rank of the adapters, adapter j holds
 
-    a_t  [in, len(p) * n * r]       column block (p, j) = A_j(p)^T of adapter j (zero where adapter j
-                                    does not adapt p, or past its own rank)
-    b_t  [len(p) * n * r, sum out]  block-diagonal over p; row block (p, j) = scaling_j * B_j(p)^T
+    a[j]         [in, k * r]   column block p = A_j(p)^T (zero where adapter j does not adapt p, or
+                               past its own rank)
+    b[j * L + p] [r, o]        scaling_j * B_j(p)^T, per run of L consecutive projections of one
+                               output width o (q alone and k, v together under grouped-query
+                               attention; gate and up together)
 
-A step whose tokens belong to requests of different adapters (0 = the base) computes, for a
-projection group's input h [T, in] and its output y = h @ W (the packed base weights),
+A step whose tokens belong to requests of different adapters (0 = the base) places its tokens by
+adapter once (`AdapterBank.rows`: the adapters present, from the first to the last, each with m
+slots, m the most tokens any of them has; a slot past an adapter's tokens is padding), and computes
+for a projection group's input h [T, in] and its output y = h @ W (the packed base weights)
 
-    y + ((h @ a_t) * mask) @ b_t,     mask [T, len(p) * n * r] = 1 on the token's adapter's blocks
+    u = gather(h) @ a               one batched matmul, [n, m, in] @ [n, in, k r]
+    y + back(u_run @ b_run)         per run, one batched matmul, [n L, m, r] @ [n L, r, o]
 
-so a token's low-rank term is exactly its own adapter's (the other blocks multiply by 0 and add
-0), the whole batch in two matmuls per group whatever the mix of adapters (rank n * r columns:
-small next to the base's). The result equals the adapter merged into the base (W + s B A, as
-`load_checkpoint` serves one adapter) up to the rounding of the two ways of summing. Steps
-without adapter tokens run the plain forward and pay nothing.
+where gather puts each token in a slot of its adapter (padding slots multiplied by 0) and back reads
+each token's rows out of its slot again (a base token reads a padding slot: exactly 0). So each
+token multiplies by its own adapter's weights only, with no Python per adapter: n m r (k in + sum of
+out) multiply-adds per group (n m: the T tokens and the padding), against T n r (k in + k sum of out)
+when every token meets every adapter's stacked weights under a mask, B block-diagonal. The result
+equals the adapter merged into the base (W + s B A, as `load_checkpoint` serves one adapter) up to
+the rounding of the two ways of summing. Steps without adapter tokens run the plain forward and pay
+nothing.
 
 Adapters may target the attention and dense MLP projections; the LM head, the embeddings and
 experts are refused by name (their products are not in these groups).
@@ -32,7 +40,7 @@ experts are refused by name (their products are not in these groups).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -47,9 +55,33 @@ _SERVED = {p for ps in GROUPS.values() for p in ps}  # module paths inside a dec
 
 @dataclass
 class LowRank:
-    a_t: torch.Tensor  # [in, groups * n * r]
-    b_t: torch.Tensor  # [groups * n * r, out]
-    reps: int  # projections in the group
+    a: torch.Tensor  # [n, in, k * r]: adapter j's A(p)^T side by side over the group's k projections
+    # per run of consecutive projections of one output size o, L of them: ([n * L, r, o], L), row j * L + p
+    # = adapter j's scaling * B(p)^T
+    runs: list[tuple[torch.Tensor, int]]
+
+
+@dataclass
+class Rows:
+    """Where a step's tokens sit among the adapters' slots (`AdapterBank.rows`): the adapters lo..hi-1
+    (0-based), m slots each."""
+    lo: int
+    hi: int
+    m: int
+    gather: Optional[torch.Tensor]  # [(hi - lo) * m]: the token in each slot (None: the tokens in order)
+    pad: Optional[torch.Tensor]  # [hi - lo, m, 1]: 0 on padding slots, 1 elsewhere (None: no padding)
+    slot: list[int]  # each token's slot (a base token: a padding one)
+    device: torch.device
+    _back: dict = field(default_factory=dict)
+
+    def back(self, reps: int) -> Optional[torch.Tensor]:
+        """[T * reps]: for token t and projection p < reps, the row (j * reps + p) * m + s of the run's
+        product [n * reps * m, o] that holds it (slot j * m + s); None when that is row t itself."""
+        if reps not in self._back:
+            m = self.m
+            rows = [(s // m * reps + p) * m + s % m for s in self.slot for p in range(reps)]
+            self._back[reps] = None if rows == list(range(len(rows))) else torch.tensor(rows, device=self.device)
+        return self._back[reps]
 
 
 class AdapterBank:
@@ -94,20 +126,21 @@ class AdapterBank:
                 keys = [f"model.layers.{i}.{p}" for p in projs]
                 if not any(f"{k}.lora_A.weight" in t for k in keys for t in tensors):
                     continue
-                a_t = torch.zeros(mods[0].in_features, len(projs) * n * r, dtype=torch.float32)
-                b_t = torch.zeros(len(projs) * n * r, sum(m.out_features for m in mods), dtype=torch.float32)
-                col = 0
-                for pi, (m, key) in enumerate(zip(mods, keys)):
+                a = torch.zeros(n, mods[0].in_features, len(projs) * r, dtype=torch.float32)
+                bs = [torch.zeros(n, r, m.out_features, dtype=torch.float32) for m in mods]
+                for pi, key in enumerate(keys):
                     for j, (cfg, t) in enumerate(zip(configs, tensors)):
-                        a, b = t.get(f"{key}.lora_A.weight"), t.get(f"{key}.lora_B.weight")
-                        if a is None:
-                            continue
-                        rows = slice((pi * n + j) * r, (pi * n + j) * r + cfg.r)
-                        a_t[:, rows] = a.float().t()
-                        b_t[rows, col:col + m.out_features] = cfg.scaling * b.float().t()
-                    col += m.out_features
-                groups[group] = LowRank(a_t.to(device=device, dtype=dtype), b_t.to(device=device, dtype=dtype),
-                                        len(projs))
+                        lora_a, lora_b = t.get(f"{key}.lora_A.weight"), t.get(f"{key}.lora_B.weight")
+                        if lora_a is not None:
+                            a[j, :, pi * r:pi * r + cfg.r] = lora_a.float().t()
+                            bs[pi][j, :cfg.r] = cfg.scaling * lora_b.float().t()
+                runs, start = [], 0
+                for pi in range(1, len(bs) + 1):  # consecutive projections of one output size share a product
+                    if pi == len(bs) or bs[pi].shape != bs[start].shape:
+                        b = torch.stack(bs[start:pi], 1).flatten(0, 1)  # [n * L, r, o], adapter-major
+                        runs.append((b.to(device=device, dtype=dtype), pi - start))
+                        start = pi
+                groups[group] = LowRank(a.to(device=device, dtype=dtype), runs)
             layers.append(groups)
         return cls(list(adapters), [c.r for c in configs], layers)
 
@@ -115,21 +148,56 @@ class AdapterBank:
         """0 for the base (None), the adapter's index otherwise; KeyError for a name the bank lacks."""
         return 0 if name is None else self.index[name]
 
-    def token_mask(self, adapter_ids: list[int], q_lens: list[int], dtype: torch.dtype,
-                   device: torch.device) -> dict[int, torch.Tensor]:
-        """{k: [T, k * n * r]} for the group sizes k: 1 on the r columns of each token's adapter in each of
-        the k blocks (none for the base's tokens); made once per step, read by every layer."""
-        per_token = torch.tensor([a for a, q in zip(adapter_ids, q_lens) for _ in range(q)], device=device)
-        onehot = (per_token[:, None] == torch.arange(1, len(self.names) + 1, device=device)).to(dtype)
-        mask = onehot.repeat_interleave(self.r, dim=1)
-        return {k: mask if k == 1 else mask.repeat(1, k) for k in {len(p) for p in GROUPS.values()}}
+    def rows(self, adapter_ids: list[int], q_lens: list[int], dtype: torch.dtype, device: torch.device) -> Rows:
+        """The slots of a step's tokens (request i: q_lens[i] tokens of adapter adapter_ids[i]); made once per
+        step on the host, read by every layer. At least one adapter id is not 0."""
+        per_token = [a for a, q in zip(adapter_ids, q_lens) for _ in range(q)]
+        present = sorted({a for a in per_token if a})
+        lo, hi = present[0] - 1, present[-1]
+        slots: list[list[int]] = [[] for _ in range(hi - lo)]
+        for t, a in enumerate(per_token):
+            if a:
+                slots[a - 1 - lo].append(t)
+        m = max(map(len, slots))
+        if 0 in per_token and all(len(s) == m for s in slots):
+            m += 1  # a padding slot for the base's tokens to read
+        gather = [s[k] if k < len(s) else 0 for s in slots for k in range(m)]
+        slot, pad_slot = [0] * len(per_token), None
+        for j, s in enumerate(slots):
+            for k, t in enumerate(s):
+                slot[t] = j * m + k
+            if len(s) < m and pad_slot is None:
+                pad_slot = j * m + len(s)
+        for t, a in enumerate(per_token):
+            if not a:
+                slot[t] = pad_slot
+        pad = None
+        if any(len(s) < m for s in slots):
+            pad = torch.tensor([[1.0] * len(s) + [0.0] * (m - len(s)) for s in slots], dtype=dtype, device=device)
+            pad = pad[:, :, None]
+        ordered = gather == list(range(len(gather)))
+        return Rows(lo, hi, m, None if ordered else torch.tensor(gather, device=device), pad, slot, device)
 
-    def delta(self, layer: int, group: str, h: torch.Tensor, masks: dict[int, torch.Tensor]) -> Optional[torch.Tensor]:
-        """The low-rank term of `group` in `layer` for input h [T, in] (None when no adapter adapts it)."""
+    def delta(self, layer: int, group: str, h: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:
+        """The low-rank term [T, out] of `group` in `layer` for input h [T, in] (None when no adapter adapts it)."""
         lr = self.layers[layer].get(group)
         if lr is None:
             return None
-        return (h @ lr.a_t).mul_(masks[lr.reps]) @ lr.b_t
+        n, m, r, t = rows.hi - rows.lo, rows.m, self.r, h.shape[0]
+        hg = h if rows.gather is None else h.index_select(0, rows.gather)
+        u = torch.bmm(hg.reshape(n, m, h.shape[1]), lr.a[rows.lo:rows.hi])  # [n, m, k r]
+        if rows.pad is not None:
+            u.mul_(rows.pad)
+        out, col = [], 0
+        for b, reps in lr.runs:
+            part = u[..., col:col + reps * r]
+            col += reps * r
+            if reps > 1:  # [n, m, L r] -> [n L, m, r]: adapter j's projection p at j L + p, as b's rows
+                part = part.reshape(n, m, reps, r).transpose(1, 2).reshape(n * reps, m, r)
+            y = torch.bmm(part, b[rows.lo * reps:rows.hi * reps]).view(n * reps * m, -1)
+            back = rows.back(reps)
+            out.append((y if back is None else y.index_select(0, back)).view(t, -1))
+        return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
 def _has(layer, path: str) -> bool:

@@ -188,8 +188,8 @@ class ModelRunner:
         adapters = [r.adapter for r in batch.reqs]
         if self.bank is not None and any(adapters):  # the eager forward, each token with its adapter's term
             ids, pos, ctx, last = self.prepare(batch)
-            self.fused.lora = (self.bank, self.bank.token_mask(adapters, batch.q_lens, self.fused.packed.embed.dtype,
-                                                               self.device))
+            self.fused.lora = (self.bank, self.bank.rows(adapters, batch.q_lens, self.fused.packed.embed.dtype,
+                                                         self.device))
             try:
                 hidden = self.fused(ids, pos, ctx)
             finally:

@@ -9,9 +9,10 @@ import torch
 from astrai.config.infer import EngineOptions, SamplingParams
 from astrai.errors import InvalidRequest
 from astrai.infer.engine import Engine
+from astrai.infer.lora_bank import GROUPS, AdapterBank
 from astrai.model import CausalLM, ModelConfig, load_model, save_model
-from astrai.model.adapter_config import AdapterError
-from astrai.model.adapter_files import load_checkpoint, save_adapter
+from astrai.model.adapter_config import AdapterError, read_adapter_config
+from astrai.model.adapter_files import load_checkpoint, read_adapter, save_adapter
 from astrai.model.lora import LoraSpec, apply_lora, lora_layers
 
 CFG = ModelConfig.preset("tiny", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2)
@@ -24,12 +25,10 @@ SPECS = {  # different ranks, scalings and targets
 }
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bank")
+def _bank_dirs(root, cfg):
     torch.manual_seed(0)
     base = root / "base"
-    save_model(CausalLM(CFG), base)
+    save_model(CausalLM(cfg), base)
     out = {}
     for seed, (name, spec) in enumerate(SPECS.items(), 1):
         model = load_model(base)
@@ -41,6 +40,18 @@ def dirs(tmp_path_factory):
         save_adapter(model, root / name)
         out[name] = root / name
     return base, out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return _bank_dirs(tmp_path_factory.mktemp("bank"), CFG)
+
+
+@pytest.fixture(scope="module")
+def both_dirs(dirs, tmp_path_factory):  # grouped-query attention (k/v narrower than q) and not (q, k, v alike)
+    mha = ModelConfig.preset("tiny", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_key_value_heads=CFG.num_attention_heads)
+    return {"gqa": dirs, "mha": _bank_dirs(tmp_path_factory.mktemp("bank_mha"), mha)}
 
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [7, 7, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -77,6 +88,44 @@ def test_step_logits_match_the_merged_weights_within_float32_rounding(dirs):
         lb = b.logprobs[0].top
         assert [t for t, _ in la] == [t for t, _ in lb]
         assert max(abs(x - y) for (_, x), (_, y) in zip(la, lb)) < 1e-4
+
+
+@pytest.mark.parametrize("ids, q_lens", [
+    ([1, 2, 3], [1, 1, 1]),  # one decode token per adapter
+    ([0, 1, 3, 0, 3], [1, 1, 1, 1, 1]),  # base tokens, an adapter between the present ones absent
+    ([2, 0, 1, 2, 3], [4, 3, 1, 2, 5]),  # prefill rows of uneven counts
+    ([3, 3], [5, 2]),  # one adapter only
+    ([1, 0], [1, 1]),
+])
+@pytest.mark.parametrize("attention", ["gqa", "mha"])
+def test_each_tokens_low_rank_term_is_its_own_adapters_product(both_dirs, attention, ids, q_lens):
+    base, adapters = both_dirs[attention]
+    model = load_model(base)
+    bank = AdapterBank.load(adapters, base, model, torch.float32, torch.device("cpu"))
+    names = list(adapters)
+    tensors = {n: read_adapter(adapters[n])[0] for n in names}
+    scaling = {n: read_adapter_config(adapters[n]).scaling for n in names}
+    rows = bank.rows(ids, q_lens, torch.float32, torch.device("cpu"))
+    per_token = [a for a, q in zip(ids, q_lens) for _ in range(q)]
+    torch.manual_seed(1)
+    for i, layer in enumerate(model.model.layers):
+        for group, projs in GROUPS.items():
+            h = torch.randn(len(per_token), layer.get_submodule(projs[0]).in_features)
+            got = bank.delta(i, group, h, rows)
+            for t, a in enumerate(per_token):  # scaling * B A h_t of the token's adapter, projection by projection
+                want = []
+                for p in projs:
+                    out = layer.get_submodule(p).out_features
+                    key = f"model.layers.{i}.{p}"
+                    t_ = tensors[names[a - 1]] if a else {}
+                    if f"{key}.lora_A.weight" not in t_:
+                        want.append(torch.zeros(out))
+                        continue
+                    lora_a, lora_b = t_[f"{key}.lora_A.weight"], t_[f"{key}.lora_B.weight"]
+                    want.append(scaling[names[a - 1]] * (lora_b @ (lora_a @ h[t])))
+                torch.testing.assert_close(got[t], torch.cat(want), rtol=1e-5, atol=1e-5)
+                if not a:
+                    assert not got[t].any()  # the base's tokens get exactly nothing
 
 
 def test_prefixes_are_never_shared_across_adapters(dirs):
