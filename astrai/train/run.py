@@ -135,6 +135,10 @@ def locked_output(out: Path, dist):
 
 
 def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dict:
+    from astrai.model.packaged import checkpoint_path, is_packaged
+
+    if is_packaged(options.model):  # a .gguf file: its converted checkpoint, which adapters then name as their base
+        options = options.model_copy(update={"model": str(checkpoint_path(options.model))})
     data = TrainData(options.data)
     problem = base_problem(options, is_checkpoint(options.model))
     if problem:
