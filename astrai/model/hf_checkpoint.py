@@ -11,7 +11,12 @@ before allocating anything: config.json's values (astrai.model.hf_config), the s
 directory, no pickle ever opened), the tensors against what the config implies (layer count,
 missing / unexpected names, shapes, dtypes: astrai.model.weights), and the weights' size against
 the machine's available memory. Then it builds the model on the meta device and assigns the
-tensors (each checked finite), so nothing is initialised twice and a model is held in memory once.
+tensors (each checked finite) one decoder layer at a time, so nothing is initialised twice and a
+model is held in memory once. With `quantize` (QLoRA's NF4 base), each decoder projection is
+quantized as its layer is read and the full-precision copy dropped before the next layer: the
+full-precision base is never held whole. Tensors are read with plain reads at the offsets of the
+checked header, never through a memory map (whose pages would stay resident while any tensor of the
+file lives).
 It reads a single file or a sharded checkpoint, in the family's layout or transformers 5's fused
 MoE layout. Every refusal is one ModelFileError naming the file and the key or tensor.
 """

@@ -19,7 +19,8 @@ frozen base doubles as a reference model (DPO, GRPO's KL) without a second copy 
 QLoRA (`quantize_base`): the frozen base's decoder projections, adapted or not, held in NF4
 (astrai.model.quant; embeddings, norms and the LM head stay as they are), dequantized per forward in
 the activations' dtype; the adapters are the same modules, names and files as over a full-precision
-base, so PEFT loads them over that base.
+base, so PEFT loads them over that base. A base loaded already quantized (load_model(quantize=nf4))
+is wrapped as it is: `apply_lora` takes quantized linear layers as targets too.
 
 Merging (`merged_state`): W' = W + (alpha / r) * B @ A, computed in float32 (float64 for float64
 weights) and stored in W's dtype, under W's own name: a plain checkpoint transformers loads. An NF4

@@ -15,6 +15,9 @@
 Off CPU, int8 and int4 multiply by the dequantized weight (correct, not fast). A layer whose input
 dimension does not divide the block (nf4) or group (int4) size is refused with its name and size;
 `quantize_layers` takes the decoder projections only: embeddings and the LM head stay as they are.
+`quantize_weight` makes the same layer from a weight read from a checkpoint, without an nn.Linear
+(astrai.model.hf_checkpoint quantizes each projection as it reads it), after `check_quantizable`
+has checked every size from the headers alone.
 
 A quantized layer's codes never change: `Module.to(dtype)` moves them between devices but does not
 dequantize them (an NF4 tensor's own `.to(dtype)` would).
