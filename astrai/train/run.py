@@ -1,8 +1,9 @@
 """`run_train(options) -> result`: the train stage as one call (the CLI and recipes call this).
 
 Model source (`options.model`): a size preset (its vocabulary is sized to the data's tokenizer,
-rounded up to a multiple of 64), a config.json (fresh weights), or a checkpoint directory
-(config.json + safetensors, ours or a transformers one). DPO/GRPO use a frozen copy of the
+rounded up to a multiple of 64), a config.json (fresh weights), a checkpoint directory
+(config.json + safetensors, ours or a transformers one), or a llama.cpp .gguf file (converted once
+into the cache, astrai.model.packaged; the run then names that directory). DPO/GRPO use a frozen copy of the
 initial model as the reference unless `ref_model` names one. Everything is checked before any
 training step: the options against the data, and the data against what was written (shards and
 tokenizer: astrai.train.data). One run writes an output at a time: rank 0 holds OUTPUT's lock
