@@ -91,8 +91,9 @@ class GenerateSampling(SamplingParams):
 class GenerateOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    checkpoint: str = Field(description="checkpoint directory (config.json, safetensors, tokenizer files), or a "
-                                        "LoRA adapter directory (adapter_config.json: its base is merged in)")
+    checkpoint: str = Field(description="checkpoint directory (config.json, safetensors, tokenizer files), a "
+                                        "LoRA adapter directory (adapter_config.json: its base is merged in), or a "
+                                        "llama.cpp .gguf file (converted once into the cache)")
     base: Optional[str] = Field(None, description="the base checkpoint of an adapter directory CHECKPOINT "
                                 "(default: its adapter_config.json's base_model_name_or_path)")
     prompt: Optional[str] = Field(None, description="raw text to continue")
@@ -123,7 +124,7 @@ class EvalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: Optional[str] = Field(None, description="checkpoint directory (config.json, safetensors, tokenizer "
-                                      "files) or LoRA adapter directory; in a recipe, default: what the train stage "
+                                      "files), LoRA adapter directory or .gguf file; in a recipe, default: what the train stage "
                                       "wrote")
     base: Optional[str] = Field(None, description="the base checkpoint of an adapter directory CHECKPOINT "
                                 "(default: its adapter_config.json's base_model_name_or_path)")

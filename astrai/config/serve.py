@@ -21,8 +21,8 @@ class ChatSampling(SamplingParams):
     max_tokens: int = Field(512, ge=1, description=SamplingParams.model_fields["max_tokens"].description)
 
 
-CHECKPOINT = ("checkpoint directory (config.json, safetensors, tokenizer files), or a LoRA adapter directory "
-              "(adapter_config.json: its base is merged in)")
+CHECKPOINT = ("checkpoint directory (config.json, safetensors, tokenizer files), a LoRA adapter directory "
+              "(adapter_config.json: its base is merged in), or a llama.cpp .gguf file (converted once into the cache)")
 BASE = "the base checkpoint of an adapter directory CHECKPOINT (default: its adapter_config.json's base_model_name_or_path)"
 
 

@@ -143,7 +143,8 @@ class TrainOptions(StrictModel):
 
     data: Optional[str] = Field(None, description="preprocessed data directory (in a recipe: default the "
                                                   "preprocess stage's output)")
-    model: str = Field("tiny", description="a size preset (tiny, small, base, ...), a config.json, or a checkpoint dir")
+    model: str = Field("tiny", description="a size preset (tiny, small, base, ...), a config.json, a checkpoint dir, "
+                       "or a llama.cpp .gguf file (converted once into the cache)")
     output: str = Field(description="run directory: checkpoints/, metrics.jsonl, final/")
     strategy: Literal["seq", "sft", "dpo", "grpo"] = Field("sft", description="training objective")
     val_data: Optional[str] = Field(None, description="preprocessed validation data (same strategy)")

@@ -144,10 +144,11 @@ class Engine:
         request choosing one by name (`load_adapters`)."""
         from astrai import json_bounded
         from astrai.model.adapter_files import is_adapter, load_checkpoint, resolve_base
+        from astrai.model.packaged import checkpoint_path
         from astrai.text.tokenizer import load_tokenizer
 
-        path = Path(path)
         resolve_device((options or EngineOptions()).device)  # a device this machine lacks: said before loading
+        path, base = checkpoint_path(path), None if base is None else checkpoint_path(base)  # a .gguf: converted
         if adapters and is_adapter(path):
             raise InputError(f"{path} is an adapter directory: adapters served side by side need a full base "
                              f"checkpoint (give the base, and this adapter as one of them)")

@@ -231,7 +231,11 @@ def merge_adapter(model: CausalLM, cfg: AdapterConfig, tensors: dict[str, torch.
 
 def load_checkpoint(path: Union[str, os.PathLike], base: Optional[Union[str, os.PathLike]] = None,
                     dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu") -> CausalLM:
-    """A plain checkpoint directory, or an adapter directory merged into its base (checked first)."""
+    """A plain checkpoint directory, or an adapter directory merged into its base (checked first); a .gguf
+    file (as `path` or `base`) is its converted checkpoint (astrai.model.packaged.checkpoint_path)."""
+    from astrai.model.packaged import checkpoint_path
+
+    path, base = checkpoint_path(path), None if base is None else checkpoint_path(base)
     if not is_adapter(path):
         if base is not None:
             raise AdapterError(f"{path} is a full checkpoint, not an adapter directory: --base applies to adapters")

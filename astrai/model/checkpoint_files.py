@@ -53,6 +53,11 @@ class TensorInfo:
     dtype: str          # safetensors dtype code (F32, BF16, ...)
     shape: tuple
     file: Path
+    offset: int = 0     # where its bytes start in the file
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEM_BYTES[self.dtype]
 
     @property
     def numel(self) -> int:
@@ -101,7 +106,7 @@ def read_header_and_metadata(path: os.PathLike | str) -> tuple[dict[str, TensorI
         if offsets[1] - offsets[0] != math.prod(shape) * ITEM_BYTES[e["dtype"]]:
             raise ModelFileError(f"{where}: shape {shape} of {e['dtype']} does not fill its "
                                  f"{offsets[1] - offsets[0]:,} bytes")
-        infos[name] = TensorInfo(name, e["dtype"], tuple(shape), path)
+        infos[name] = TensorInfo(name, e["dtype"], tuple(shape), path, 8 + n + offsets[0])
         spans.append((offsets[0], offsets[1], name))
     end = 0
     for begin, stop, name in sorted(spans):

@@ -19,7 +19,8 @@ frozen base doubles as a reference model (DPO, GRPO's KL) without a second copy 
 QLoRA (`quantize_base`): the frozen base's decoder projections, adapted or not, held in NF4
 (astrai.model.quant; embeddings, norms and the LM head stay as they are), dequantized per forward in
 the activations' dtype; the adapters are the same modules, names and files as over a full-precision
-base, so PEFT loads them over that base.
+base, so PEFT loads them over that base. A base loaded already quantized (load_model(quantize=nf4))
+is wrapped as it is: `apply_lora` takes quantized linear layers as targets too.
 
 Merging (`merged_state`): W' = W + (alpha / r) * B @ A, computed in float32 (float64 for float64
 weights) and stored in W's dtype, under W's own name: a plain checkpoint transformers loads. An NF4
@@ -37,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from astrai.config.train import LORA_DEFAULT_TARGETS, LORA_TARGETS
-from astrai.model.quant import dequantized, quantize_layers
+from astrai.model.quant import QuantizedLinear, dequantized, quantize_layers
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,9 @@ class LoraLinear(nn.Module):
     def __init__(self, base: nn.Linear, spec: LoraSpec):
         super().__init__()
         self.base_layer = base
-        self.lora_A = nn.Linear(base.in_features, spec.rank, bias=False, device=base.weight.device)
-        self.lora_B = nn.Linear(spec.rank, base.out_features, bias=False, device=base.weight.device)
+        device = base.weight.device if isinstance(base, nn.Linear) else next(base.buffers()).device
+        self.lora_A = nn.Linear(base.in_features, spec.rank, bias=False, device=device)
+        self.lora_B = nn.Linear(spec.rank, base.out_features, bias=False, device=device)
         self.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         self.scaling = spec.scaling
         self.enabled = True
@@ -89,8 +91,12 @@ class LoraLinear(nn.Module):
         return y + (self.lora_B(self.lora_A(h)) * self.scaling).to(y.dtype)
 
 
+LINEAR = (nn.Linear, QuantizedLinear)  # a base layer: full precision, or quantized as the checkpoint was loaded
+
+
 def apply_lora(model: nn.Module, spec: LoraSpec, base: Optional[str] = None) -> list[str]:
-    """Wrap every nn.Linear whose own name is one of spec.targets; freeze everything else. Returns the
+    """Wrap every linear layer (nn.Linear, or one loaded quantized) whose own name is one of spec.targets;
+    freeze everything else. Returns the
     wrapped module names. A target that matches nothing raises (a typo would otherwise train nothing)."""
     if lora_layers(model):
         raise ValueError("the model already carries LoRA adapters")
@@ -98,7 +104,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec, base: Optional[str] = None) -> 
     wrapped, seen = [], set()
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if child_name in spec.targets and isinstance(child, nn.Linear):
+            if child_name in spec.targets and isinstance(child, LINEAR):
                 setattr(module, child_name, LoraLinear(child, spec))
                 wrapped.append(f"{name}.{child_name}" if name else child_name)
                 seen.add(child_name)
@@ -112,7 +118,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec, base: Optional[str] = None) -> 
 
 def quantize_base(model: nn.Module, kind: str = "nf4") -> list[str]:
     """QLoRA: every decoder projection of a LoRA-wrapped model's frozen base (the adapted layers' base_layer
-    and the projections left unadapted) becomes a `kind` quantized layer; returns their names."""
+    and the projections left unadapted) becomes a `kind` quantized layer; returns their names. Those
+    already quantized (a base loaded with load_model(..., quantize=kind)) stay as they are."""
     import dataclasses
 
     if not has_adapters(model):
@@ -123,7 +130,7 @@ def quantize_base(model: nn.Module, kind: str = "nf4") -> list[str]:
 
 
 def _linear_names(model: nn.Module) -> set[str]:
-    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LINEAR)}
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:

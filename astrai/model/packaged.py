@@ -15,8 +15,9 @@ in the package's RECORD at install, else read from the file): a new package vers
 and two environments with the same package share one conversion. The package is located, never
 imported.
 
-A user's own llama.cpp file is accepted the same way wherever a `package:` checkpoint is (the
-checkpoint stage's `path: models/my-llama.Q8_0.gguf`): it is checked first (astrai.model.gguf_file:
+A user's own llama.cpp file is accepted wherever a checkpoint is (`astrai generate/chat/serve/eval
+my-llama.Q8_0.gguf`, a train config's `model:` or `ref_model:`, the checkpoint stage's `path:`; each
+goes through `checkpoint_path`): it is checked first (astrai.model.gguf_file:
 Llama-family architecture, F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, a tokenizer, not truncated), then
 converted once into checkpoints/gguf-<stem>-<digest>/, the digest taken over its resolved path,
 size and modification time (as directory checkpoints are fingerprinted: hashing a 7 GB file on
@@ -163,6 +164,22 @@ def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = No
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def checkpoint_path(spec: Union[str, os.PathLike]) -> Path:
+    """Where the checkpoint `spec` names is read from: a .gguf file's (or `package:NAME`'s) converted
+    directory, converted now on first use; anything else as given. What cannot be converted is one
+    ModelFileError line naming the file and the key or tensor."""
+    if not is_packaged(str(spec)):
+        return Path(spec)
+    from astrai.errors import ModelFileError
+
+    try:
+        return packaged_checkpoint(str(spec))
+    except ModelFileError:
+        raise
+    except ValueError as e:  # not installed, a file astrai does not read, transformers or gguf missing
+        raise ModelFileError(str(e)) from None
 
 
 def _is_current(out: Path, stamp: dict) -> bool:

@@ -15,6 +15,9 @@
 Off CPU, int8 and int4 multiply by the dequantized weight (correct, not fast). A layer whose input
 dimension does not divide the block (nf4) or group (int4) size is refused with its name and size;
 `quantize_layers` takes the decoder projections only: embeddings and the LM head stay as they are.
+`quantize_weight` makes the same layer from a weight read from a checkpoint, without an nn.Linear
+(astrai.model.hf_checkpoint quantizes each projection as it reads it), after `check_quantizable`
+has checked every size from the headers alone.
 
 A quantized layer's codes never change: `Module.to(dtype)` moves them between devices but does not
 dequantize them (an NF4 tensor's own `.to(dtype)` would).
@@ -250,6 +253,37 @@ def quantize_linear(linear: nn.Linear, kind: str, name: str = "linear", group_si
     if kind == "int4":
         return Int4Linear(linear, name, group_size)
     raise QuantError(f"{name}: unknown quantization {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+def quantize_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], kind: str, name: str,
+                    group_size: int = INT4_GROUP) -> QuantizedLinear:
+    """The quantized layer of a [out, in] `weight` (and `bias`) read from a checkpoint: what quantize_linear
+    makes of an nn.Linear holding them, without building one (the model loader quantizes each projection as
+    it reads it, so no full-precision layer is ever allocated)."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return quantize_linear(linear, kind, name, group_size)
+
+
+def bytes_per_weight(kind: str, item: int) -> float:
+    """About how many bytes a weight takes once quantized (`item`: bytes of the full-precision dtype):
+    nf4 half a byte plus an int8 scale per block, int8 one byte (a scale per row aside), int4 half a
+    byte plus a scale and a zero point per group."""
+    return {"nf4": 0.5 + 1 / NF4_BLOCK, "int8": 1.0, "int4": 0.5 + 2 * item / INT4_GROUP}[kind]
+
+
+def check_quantizable(shapes: dict[str, tuple], kind: str, group_size: int = INT4_GROUP):
+    """Refuse, naming the first, a [out, in] weight (name -> shape) whose input size does not divide the
+    block (nf4) or group (int4) size: checked on shapes alone, before any tensor is read."""
+    if kind not in KINDS:
+        raise QuantError(f"unknown quantization {kind!r}; choose one of {', '.join(KINDS)}")
+    unit = {"nf4": (NF4_BLOCK, "nf4 block"), "int4": (group_size, "int4 group")}.get(kind)
+    for name, shape in shapes.items():
+        if unit:
+            _check_divides(name.removesuffix(".weight"), shape[1], *unit)
 
 
 def quantize_layers(model: nn.Module, kind: str, names: tuple[str, ...], group_size: int = INT4_GROUP,

@@ -16,8 +16,10 @@ model.safetensors + tokenizer: a plain checkpoint for transformers, or for a lat
 DPO and GRPO use the base with the adapters off as their reference (lora.BaseView): no second
 copy of the weights.
 
-QLoRA (`lora.quantize_base: nf4`): after the adapters are added, the base's decoder projections are
-quantized to NF4 (lora.quantize_base), deterministically from the same checkpoint, so a resume
+QLoRA (`lora.quantize_base: nf4`): the train stage reads the checkpoint straight into an NF4 base, one
+layer at a time (astrai.train.run.build_model -> load_model(quantize=)); the adapters then wrap the
+quantized projections (add_adapters quantizes any projection still in full precision, for a model
+built otherwise). The codes follow deterministically from the same checkpoint, so a resume
 rebuilds the very same frozen base (and every DDP rank the same one: the NF4 codes are buffers DDP
 does not broadcast). Under torchrun with parallel: fsdp it is refused (FSDP2 would shard and
 broadcast the NF4 tensors, which torchao does not implement for them). The files are those of LoRA: the adapters load over the

@@ -1,8 +1,9 @@
 """`run_train(options) -> result`: the train stage as one call (the CLI and recipes call this).
 
 Model source (`options.model`): a size preset (its vocabulary is sized to the data's tokenizer,
-rounded up to a multiple of 64), a config.json (fresh weights), or a checkpoint directory
-(config.json + safetensors, ours or a transformers one). DPO/GRPO use a frozen copy of the
+rounded up to a multiple of 64), a config.json (fresh weights), a checkpoint directory
+(config.json + safetensors, ours or a transformers one), or a llama.cpp .gguf file (converted once
+into the cache, astrai.model.packaged; the run then names that directory). DPO/GRPO use a frozen copy of the
 initial model as the reference unless `ref_model` names one. Everything is checked before any
 training step: the options against the data, and the data against what was written (shards and
 tokenizer: astrai.train.data). One run writes an output at a time: rank 0 holds OUTPUT's lock
@@ -20,11 +21,12 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from astrai.errors import InputError, os_error_line
-from astrai.model import CausalLM, ModelConfig
+from astrai.model import CausalLM, ModelConfig, load_model
 from astrai.model.adapter_files import is_adapter, load_checkpoint
 from astrai.model.checkpoint_files import read_json
 from astrai.model.config import PRESETS
@@ -53,7 +55,10 @@ def is_checkpoint(spec: str) -> bool:
                               or is_adapter(path))
 
 
-def build_model(spec: str, data: TrainData, seed: int, dtype: torch.dtype = torch.float32) -> CausalLM:
+def build_model(spec: str, data: TrainData, seed: int, dtype: torch.dtype = torch.float32,
+                quantize: Optional[str] = None) -> CausalLM:
+    """`quantize` (QLoRA's lora.quantize_base): a checkpoint's decoder projections are quantized as they are
+    read, one layer at a time, so the full-precision base is never held whole."""
     torch.manual_seed(seed)
     if spec in PRESETS:
         tok = data.tokenizer
@@ -61,6 +66,14 @@ def build_model(spec: str, data: TrainData, seed: int, dtype: torch.dtype = torc
         return CausalLM(ModelConfig.preset(spec, vocab_size=vocab, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                                            pad_token_id=None))
     path = Path(spec)
+    if quantize and path.is_dir() and not is_adapter(path):  # lora refuses an adapter directory as its base
+        from astrai.config.train import LORA_TARGETS
+        from astrai.model.quant import QuantError
+
+        try:
+            return load_model(path, dtype=dtype, quantize=quantize, quantize_modules=LORA_TARGETS)
+        except QuantError as e:  # a dimension that does not divide the block, or torchao missing
+            raise TrainConfigError(f"train config: lora.quantize_base: {e}") from None
     if path.is_dir():  # a checkpoint, or an adapter directory (merged into its base, which then trains);
         return load_checkpoint(path, dtype=dtype)  # what cannot be read (pickles, bad files) is refused by name
     if path.suffix == ".json" and path.exists():
@@ -123,11 +136,16 @@ def locked_output(out: Path, dist):
 
 
 def _train(options: TrainOptions, callbacks, dist, strategy_factory=None) -> dict:
+    from astrai.model.packaged import checkpoint_path, is_packaged
+
+    if is_packaged(options.model):  # a .gguf file: its converted checkpoint, which adapters then name as their base
+        options = options.model_copy(update={"model": str(checkpoint_path(options.model))})
     data = TrainData(options.data)
     problem = base_problem(options, is_checkpoint(options.model))
     if problem:
         raise TrainConfigError(f"train config: {problem}")
-    model = build_model(options.model, data, options.seed, getattr(torch, options.dtype))
+    model = build_model(options.model, data, options.seed, getattr(torch, options.dtype),
+                        options.lora.quantize_base if options.lora is not None else None)
     problems = compat_problems(options.strategy, data, model.config.vocab_size, online=options.rollout is not None)
     val = TrainData(options.val_data) if options.val_data else None
     if val is not None and val.kind != data.kind:

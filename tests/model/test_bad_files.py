@@ -286,3 +286,20 @@ def test_parameter_count_is_the_module_trees():
         with torch.device("meta"):
             assert parameter_count(cfg) == CausalLM(cfg).num_parameters(), cfg.family
     assert math.isclose(parameter_count(ModelConfig.preset("1b")) / 1e9, 1.236, rel_tol=1e-3)
+
+
+def test_tensors_are_read_at_the_headers_offsets_and_a_file_cut_after_its_check_is_named(tmp_path):
+    from astrai.model.checkpoint_files import read_headers
+    from astrai.model.hf_checkpoint import _read
+
+    torch.manual_seed(0)
+    save_model(CausalLM(ModelConfig.preset("tiny", vocab_size=64)), tmp_path / "m")
+    want = load_file(str(tmp_path / "m" / "model.safetensors"))  # the safetensors library's own reading
+    headers = read_headers(tmp_path / "m")
+    got = _read(headers)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    weights = tmp_path / "m" / "model.safetensors"
+    last = max(headers.values(), key=lambda i: i.offset)
+    os.truncate(weights, weights.stat().st_size - 4)  # shortened between the header check and the read
+    with pytest.raises(ModelFileError, match=rf"^{weights}: tensor '{last.name}': the file ends before its bytes"):
+        _read(headers)

