@@ -82,6 +82,9 @@ class EngineOptions(BaseModel):
     def _quantize_fits(self):
         if self.quantize_head and self.quantize is None:
             raise ValueError("quantize_head needs quantize (int8 or int4)")
+        if self.quantize and self.compile:
+            raise ValueError(f"quantize {self.quantize}: the compiled decode (compile) runs float32 weights only; drop "
+                             f"one of the two")
         if self.quantize and self.dtype in ("bfloat16", "float16"):
             raise ValueError(f"quantize {self.quantize}: quantized weights multiply float32 activations; use dtype "
                              f"float32 or auto, not {self.dtype}")

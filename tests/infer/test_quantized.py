@@ -96,6 +96,8 @@ def test_a_dimension_not_divisible_by_the_group_is_refused_naming_tensor_and_siz
 def test_what_quantized_weights_cannot_run_on_is_refused():
     with pytest.raises(ValueError, match="quantized weights multiply float32 activations; use dtype float32"):
         EngineOptions(quantize="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match="compiled decode"):
+        EngineOptions(quantize="int4", compile=True)
     with pytest.raises(ValueError, match="quantize_head needs quantize"):
         EngineOptions(quantize_head=True)
     from astrai.infer.quantized import check_engine
