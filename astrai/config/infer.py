@@ -74,8 +74,8 @@ class EngineOptions(BaseModel):
     cuda_graphs: bool = Field(True, description="gpu with the cuda attention backend: replay decode steps as CUDA "
                               "graphs captured per batch-size bucket")
     quantize: Optional[Literal["int8", "int4"]] = Field(
-        None, description="cpu, float32: the decoder's projections as int8 (per channel, int8 activations per step) or "
-        "int4 (asymmetric, groups of 64) weights, packed at load; the checkpoint is not changed")
+        None, description="cpu, float32: the decoder's projections as int8 (per channel, weight-only) or "
+        "int4 (asymmetric, groups of 32) weights, packed at load; the checkpoint is not changed")
     quantize_head: bool = Field(False, description="with quantize: the LM head too (the embedding stays as it is)")
 
     @model_validator(mode="after")

@@ -5,29 +5,18 @@ astrai.infer.packed concatenates: q/k/v, gate/up, o, down, optionally the LM hea
 `QuantizedWeight` whose `product(a, bias)` is the fused forward's a [T, in] @ W (+ bias), at any number
 of rows (decode, a batch of decodes, a prefill chunk). The weight formats are astrai.model.quant's:
 
-- int8: symmetric per output channel (torchao's `dynamically_quantize_per_channel`, quant.Int8Linear's
-        codes and scales), multiplied by fbgemm's dynamic int8 linear
-        (`torch.ops.quantized.linear_dynamic`): each call quantizes its activations to unsigned 7 bits with
-        one scale and zero point over the whole input (`reduce_range`: on a CPU without VNNI, AVX2's
-        u8 x s8 pair sums saturate int16 at 8 bits), multiplies in int32, and scales back by the two
-        scales in float32. A step's rows share that activation scale.
-- int4: asymmetric by groups of quant.INT4_GROUP input columns (quant.Int4Linear: torchao's
-        `groupwise_affine_quantize_tensor`, a float scale and zero point per group and channel),
-        multiplied by torch's `_weight_int4pack_mm_for_cpu` (float32 activations, the weight
-        dequantized per tile). A dimension that does not divide the group is refused, naming the
-        tensor and the size.
+- int8: symmetric per output channel, weight-only (quant.Int8Linear: torchao's
+        `dynamically_quantize_per_channel`, torch's `_weight_int8pack_mm`, float32 activations).
+- int4: asymmetric by groups of INT4_GROUP (32) input columns (quant.Int4Linear: torchao's
+        `groupwise_affine_quantize_tensor`), torch's `_weight_int4pack_mm_for_cpu`. A dimension that
+        does not divide the group is refused, naming the tensor and the size.
 
-Why these kernels: they were the fastest per format on SmolLM2's projections at 1 and 16 rows on a
-2-thread AVX2 CPU (bench/quant_kernels.py; figures in bench/RESULTS.md). For int8, fbgemm's dynamic
-linear beat the float32 products split over the threads (astrai.infer.fused.matmul) and every torchao
-0.18 int8 configuration on CPU (weight-only runs `_weight_int8pack_mm`, several times slower than
-float32 at one row; dynamic activation runs its own quantize and `_int_mm`). For int4 no kernel shipped
-for this CPU beats float32 (torchao's x86 low-bit kernels are not in its wheel; its Int4WeightOnly on
-CPU is the same `_weight_int4pack_mm_for_cpu`): int4 here saves memory, not time.
-
-fbgemm's weight is a torch.ao quantized tensor (qint8, per channel): torch marks the creation of such
-tensors as deprecated, with a warning at each; they are only made here, at pack time, so that warning
-is silenced around the one call (`_per_channel_qint8`).
+Why weight-only: fbgemm's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`) multiplies faster
+than float32 on an AVX2 CPU, but it quantizes each input to 7 bits with one scale over the whole input,
+and on SmolLM2 that moved the held-out perplexity far past 1% (activation outliers, worst at down_proj's
+input); the weight-only kernels keep float32 activations and meet the bounds. On an AVX2 CPU without
+VNNI they are slower than the float32 products: here quantization saves memory, not time (figures in
+bench/RESULTS.md).
 
 Only the CPU engine in float32 runs quantized weights (`check_engine`): both kernels take float32
 activations on the CPU.
@@ -35,7 +24,6 @@ activations on the CPU.
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -44,6 +32,9 @@ import torch.nn as nn
 from astrai.model import quant
 
 KINDS = ("int8", "int4")
+# int4 groups of 32 input columns: llama.cpp's Q4_0/Q4_1 block, so a checkpoint made from such a file
+# (as the packaged SmolLM2 is) is requantized on its own grid
+INT4_GROUP = 32
 
 
 class QuantizedWeight:
@@ -69,12 +60,8 @@ class QuantizedWeight:
 class Int8Weight(QuantizedWeight):
     kind = "int8"
 
-    def __init__(self, layer: quant.Int8Linear):
-        super().__init__(layer)
-        self.packed = torch.ops.quantized.linear_prepack(_per_channel_qint8(layer.weight_int8, layer.scales), None)
-
     def product(self, a, bias=None):
-        y = torch.ops.quantized.linear_dynamic(a, self.packed, True)  # reduce_range: see the module docstring
+        y = self.layer(a)  # quant.Int8Linear: _weight_int8pack_mm
         return y if bias is None else y.add_(bias)
 
 
@@ -84,12 +71,6 @@ class Int4Weight(QuantizedWeight):
     def product(self, a, bias=None):
         y = self.layer(a)  # quant.Int4Linear: _weight_int4pack_mm_for_cpu
         return y if bias is None else y.add_(bias)
-
-
-def _per_channel_qint8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    with warnings.catch_warnings():  # torch's deprecation of quantized tensors (see the module docstring)
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        return torch._make_per_channel_quantized_tensor(codes, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0)
 
 
 def quantize_weight(parts: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]], kind: str, name: str) \
@@ -103,7 +84,7 @@ def quantize_weight(parts: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]]
     if kind == "int8":
         return Int8Weight(quant.Int8Linear(shell, name))
     if kind == "int4":
-        return Int4Weight(quant.Int4Linear(shell, name))
+        return Int4Weight(quant.Int4Linear(shell, name, INT4_GROUP))
     raise quant.QuantError(f"{name}: unknown quantization {kind!r}; choose one of {', '.join(KINDS)}")
 
 

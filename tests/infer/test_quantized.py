@@ -43,22 +43,16 @@ def _int8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_int8_product_is_the_integer_arithmetic_and_within_its_format_of_float32(rows):
+def test_int8_product_is_the_dequantized_weight_times_float32_within_half_a_step(rows):
     w, bias = _weight(96, 64), torch.randn(96) * 0.1
     q = quantize_weight([(w, None)], "int8", "w")
+    codes, scales = q.layer.weight_int8, q.layer.scales
+    deq = codes.double() * scales.double()[:, None]  # symmetric per channel, by hand
     x = torch.randn(rows, 64)
     got = q.product(x, bias.clone()).double()
-    codes, scales = q.layer.weight_int8, q.layer.scales
-    ref = _int8_reference(x, codes, scales) + bias.double()
-    # fbgemm scales its int32 sums back in float32: a few float32 roundings of the sum
+    ref = x.double() @ deq.t() + bias.double()
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
-    # against the float32 product: each term's error is at most |x| half a weight step + |w^| half an
-    # activation step (plus float32 rounding)
-    exact = x.double() @ w.double().t() + bias.double()
-    s_x = (max(x.max().item(), 0) - min(x.min().item(), 0)) / 127
-    bound = x.abs().double() @ (scales.double()[:, None] / 2).expand(96, 64).t() + \
-        (s_x / 2 + 1e-6) * q.dequantize().double().abs().sum(0)[None, :]
-    assert ((got - exact).abs() <= bound + 1e-5).all()
+    assert ((w.double() - deq).abs() <= scales.double()[:, None] / 2 + 1e-7).all()
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
@@ -68,29 +62,30 @@ def test_int4_product_is_torchaos_dequantized_weight_times_float32(rows):
 
     w = _weight(128, 192, seed=1)
     q = quantize_weight([(w[:64], None), (w[64:], None)], "int4", "w")  # two parts, concatenated
-    codes, scales_zeros = groupwise_affine_quantize_tensor(w, 4, 64, torch.float32)
+    codes, scales_zeros = groupwise_affine_quantize_tensor(w, 4, 32, torch.float32)
     scales, zeros = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
-    deq = groupwise_affine_dequantize_tensor_from_qparams(codes, scales, zeros, 4, 64)  # [out, in]
+    deq = groupwise_affine_dequantize_tensor_from_qparams(codes, scales, zeros, 4, 32)  # [out, in]
     x = torch.randn(rows, 192)
     ref = x.double() @ deq.double().t()
     got = q.product(x).double()
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
     # the format: a weight is at most half a step of its group from its code's value
-    step = scales.double().repeat_interleave(64, dim=1)  # [out, in]
+    step = scales.double().repeat_interleave(32, dim=1)  # [out, in]
     assert ((w.double() - deq.double()).abs() <= step / 2 + 1e-6).all()
     assert torch.allclose(q.dequantize().double(), deq.double().t(), atol=1e-6)
 
 
 def test_a_dimension_not_divisible_by_the_group_is_refused_naming_tensor_and_size(tmp_path, capsys):
-    with pytest.raises(QuantError, match=r"^w: input dimension 96 is not a multiple of the int4 group size 64"):
-        quantize_weight([(_weight(64, 96), None)], "int4", "w")
-    odd = ModelConfig.preset("tiny", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1)
+    with pytest.raises(QuantError, match=r"^w: input dimension 80 is not a multiple of the int4 group size 32"):
+        quantize_weight([(_weight(64, 80), None)], "int4", "w")
+    odd = ModelConfig.preset("tiny", vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2)
     save_model(CausalLM(odd), tmp_path / "ckpt")
     rc = main(["generate", str(tmp_path / "ckpt"), "--prompt", "hi", "--quantize", "int4", "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc != 0
-    assert "error: model.layers.0.self_attn.q_proj/k_proj/v_proj: input dimension 32 is not a multiple of the " \
-           "int4 group size 64" in err and "Traceback" not in err
+    assert "error: model.layers.0.self_attn.q_proj/k_proj/v_proj: input dimension 48 is not a multiple of the " \
+           "int4 group size 32" in err and "Traceback" not in err
 
 
 def test_what_quantized_weights_cannot_run_on_is_refused():
@@ -142,59 +137,16 @@ def _logits(model, ids):
 
 @pytest.mark.parametrize("rows", [1, 9, 200])  # a decode step, a small batch, more rows than are split
 @pytest.mark.parametrize("head", [False, True])
-def test_fused_int4_forward_is_the_model_on_its_dequantized_weights(rows, head):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_fused_forward_is_the_model_on_its_dequantized_weights(rows, head, kind):
     torch.manual_seed(0)
     model = CausalLM(CFG).eval()
-    fused = FusedModel(model, "int4", head)
+    fused = FusedModel(model, kind, head)
     ids = torch.randint(0, CFG.vocab_size, (rows,))
     got = _logits(fused, ids)
     want = _logits(_dequantized_model(model, fused), ids)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
     assert not torch.allclose(got, _logits(model, ids), atol=1e-4)  # the weights are quantized
-
-
-class _Int8Reference(torch.nn.Module):
-    """A projection computed as `_int8_reference` (in float64, then rounded to float32)."""
-
-    def __init__(self, codes, scales):
-        super().__init__()
-        self.codes, self.scales = codes, scales
-
-    def forward(self, x):
-        return _int8_reference(x.reshape(-1, x.shape[-1]), self.codes, self.scales).float().view(*x.shape[:-1], -1)
-
-
-def _int8_reference_model(model, fused):
-    """A copy of `model` whose projections and LM head compute the integer arithmetic by hand with the
-    quantized weights' codes and scales."""
-    ref = CausalLM(model.config)
-    ref.load_state_dict(model.state_dict())
-
-    def refs(q, names, owner):
-        sizes = [getattr(owner, n).out_features for n in names]
-        for n, c, s in zip(names, q.layer.weight_int8.split(sizes), q.layer.scales.split(sizes)):
-            setattr(owner, n, _Int8Reference(c, s))
-
-    for w, layer in zip(fused.layers, ref.model.layers):
-        refs(w.qkv_t, ("q_proj", "k_proj", "v_proj"), layer.self_attn)
-        refs(w.o_t, ("o_proj",), layer.self_attn)
-        refs(w.gate_up_t, ("gate_proj", "up_proj"), layer.mlp)
-        refs(w.down_t, ("down_proj",), layer.mlp)
-    refs(fused.packed.head_t, ("lm_head",), ref)
-    return ref.eval()
-
-
-@pytest.mark.parametrize("rows", [1, 9, 200])
-def test_fused_int8_forward_is_the_integer_arithmetic(rows):
-    torch.manual_seed(0)
-    model = CausalLM(CFG).eval()
-    ids = torch.randint(0, CFG.vocab_size, (rows,))
-    fused = FusedModel(model, "int8", True)
-    got = _logits(fused, ids)
-    want = _logits(_int8_reference_model(model, fused), ids)
-    # float32 against float64 sums; an activation that lands on a rounding edge may take the next code
-    assert torch.allclose(got, want, atol=2e-3 * want.abs().max()), (got - want).abs().max()
-    assert not torch.allclose(got, _logits(model, ids), atol=1e-4)
 
 
 def test_lora_adapters_over_a_quantized_base(tmp_path):
