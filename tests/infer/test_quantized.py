@@ -6,6 +6,8 @@ dequantized weights; LoRA adapters served over a quantized base; the flag throug
 refusals naming the tensor and the size."""
 
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -19,6 +21,9 @@ from astrai.infer.fused import FusedModel  # noqa: E402
 from astrai.infer.quantized import quantize_weight  # noqa: E402
 from astrai.model import CausalLM, ModelConfig, load_model, save_model  # noqa: E402
 from astrai.model.quant import QuantError  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
+from test_real_model import smollm2_data  # noqa: E402,F401  (the bundled chats in SmolLM2's template)
 
 # every dimension a multiple of the int4 group (64)
 CFG = ModelConfig.preset("tiny", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
