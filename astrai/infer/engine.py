@@ -94,6 +94,13 @@ class Engine:
         self.options = o = options or EngineOptions()
         self.device = resolve_device(o.device)
         dtype, self.dtype_reason = resolve_dtype(o.dtype, self.device, next(model.parameters()).dtype)
+        if o.quantize:  # astrai.infer.quantized: float32 activations on the CPU
+            from astrai.infer.quantized import check_engine
+
+            if o.dtype == "auto":
+                dtype, self.dtype_reason = torch.float32, "dtype auto: float32 (quantized weights take float32 activations)"
+            check_engine(o.quantize, self.device, dtype)
+            self.dtype_reason += f", weights {o.quantize}" + (" (LM head too)" if o.quantize_head else "")
         self.dtype = dtype
         c = model.config
         check_engine_memory(o, c, dtype, self.device)  # before the KV pool is allocated
@@ -113,7 +120,7 @@ class Engine:
         self.backend = select_backend(self.device, dtype, c)(kv.k_cache, kv.v_cache)
         self.scheduler = Scheduler(self.pool, o.max_running, o.max_step_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, compile=o.compile,
-                                  cuda_graphs=o.cuda_graphs)
+                                  cuda_graphs=o.cuda_graphs, quantize=(o.quantize, o.quantize_head))
         self.stats = EngineStats()
         self.asleep = False
         self._next_rid = 0

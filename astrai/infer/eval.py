@@ -85,9 +85,10 @@ def run_eval(options: EvalOptions, out=None) -> dict:
     if problem:
         raise ValueError(problem)
     result = {"checkpoint": str(options.checkpoint), "data": str(options.data), "data_kind": kind,
-              "dtype": str(engine.dtype).replace("torch.", "")}  # what the figures were computed in
+              "dtype": str(engine.dtype).replace("torch.", ""),  # what the figures were computed in
+              "quantize": engine.options.quantize, "quantize_head": engine.options.quantize_head}
     if kind == "single":
-        result.update(perplexity(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device))
+        result.update(perplexity(scorer(engine), dataset, options.max_rows, options.batch_tokens, engine.device))
         prompts = held_out_prompts(dataset, options.samples)
     else:
         result.update(preference_figures(engine, dataset, kind, options))
@@ -124,17 +125,23 @@ def data_kind(dataset) -> str:
     return "dpo" if "chosen_input_ids" in dataset.columns else "groups"
 
 
+def scorer(engine):
+    """The forward the figures are computed with: with quantized weights (EngineOptions.quantize) the engine's
+    fused forward, so they are the quantized model's; else the model's own (the same numbers in float32)."""
+    return engine.runner.fused if engine.options.quantize else engine.model
+
+
 def preference_figures(engine, dataset, kind: str, options: EvalOptions) -> dict:
     from astrai.infer.preference import dpo_eval, groups_eval
 
     if kind == "groups":
-        return groups_eval(engine.model, dataset, options.max_rows, options.batch_tokens, engine.device)
+        return groups_eval(scorer(engine), dataset, options.max_rows, options.batch_tokens, engine.device)
     from astrai.model.adapter_files import load_checkpoint
 
     # a checkpoint, or a LoRA adapter on its base (the reference of a LoRA DPO run is the base itself)
     ref = load_checkpoint(Path(options.ref_model), None).to(device=engine.device,
                                                             dtype=next(engine.model.parameters()).dtype)
-    return dpo_eval(engine.model, ref.eval(), dataset, options.beta, options.max_rows, options.batch_tokens,
+    return dpo_eval(scorer(engine), ref.eval(), dataset, options.beta, options.max_rows, options.batch_tokens,
                     engine.device)
 
 

@@ -42,7 +42,7 @@ from astrai.model.layers import activation, at_least_float32, route
 
 
 class FusedModel:
-    def __init__(self, model):
+    def __init__(self, model, quantize: Optional[str] = None, quantize_head: bool = False):
         self.model = model
         c = model.config
         self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -56,11 +56,14 @@ class FusedModel:
         self.threads = None  # the pieces of a split product (`split_parts`); None: torch's thread count
         # (AdapterBank, its Rows for the step) while a step with adapter tokens runs (astrai.infer.lora_bank), else None
         self.lora = None
+        # int8 | int4: the projections (and the LM head with quantize_head) as astrai.infer.quantized weights,
+        # multiplied at every row count by their own product (no `own` path)
+        self.quantize, self.quantize_head = quantize, quantize_head
         self.rebuild()
 
     def rebuild(self) -> None:
         """(Re)pack the weights from the model's current ones, into the copies already there."""
-        self.packed = pack(self.model, into=getattr(self, "packed", None))
+        self.packed = pack(self.model, getattr(self, "packed", None), self.quantize, self.quantize_head)
         self.layers: list[Layer] = self.packed.layers
         self.builds += 1
 
@@ -97,7 +100,7 @@ class FusedModel:
         lora = self.lora  # LoRA adapters' terms, added to each projection group's output
         parts = split_parts(x, self.threads)
         # the model's own weights, one matmul per projection (unless the products are split)
-        own = parts == 1 and self.own_rows[0] <= t <= self.own_rows[1]
+        own = parts == 1 and self.own_rows[0] <= t <= self.own_rows[1] and self.quantize is None
         h = self.norm(x, w.attn_norm)
         if own:
             qkv = torch.cat([F.linear(h, *w.own[n]) for n in ("q", "k", "v")], 1)
@@ -138,7 +141,8 @@ class FusedModel:
     def _residual(self, x, a, weight_t, bias, out_norm, extra=None, parts=1):
         """x + (a @ weight_t + bias + extra), the branch normalised first where the family does (Gemma);
         `extra`: the adapters' low-rank term of the projection, or None; `parts`: see `matmul`."""
-        if out_norm is None and bias is None and extra is None and not _splits(a, weight_t, parts):
+        if out_norm is None and bias is None and extra is None and isinstance(weight_t, torch.Tensor) \
+                and not _splits(a, weight_t, parts):
             return torch.addmm(x, a, weight_t)
         y = _plus(matmul(a, weight_t, parts, bias), extra)
         return x + (y if out_norm is None else self.norm(y, out_norm))
@@ -173,7 +177,10 @@ def _splits(a: torch.Tensor, w_t: torch.Tensor, parts: int) -> bool:
 def matmul(a: torch.Tensor, w_t: torch.Tensor, parts: int = 1, bias=None) -> torch.Tensor:
     """a [T, K] @ w_t [K, N] (+ bias). With parts > 1 (`split_parts`) the product runs as one batched
     product of `parts` pieces: K cut into equal pieces whose products are summed (the same products added
-    in another order) for at most SPLIT_K_ROWS rows, N cut into equal column blocks otherwise."""
+    in another order) for at most SPLIT_K_ROWS rows, N cut into equal column blocks otherwise. A quantized
+    w_t (astrai.infer.quantized) runs its own product, whose kernel spreads over the threads itself."""
+    if not isinstance(w_t, torch.Tensor):
+        return w_t.product(a, bias)
     if not _splits(a, w_t, parts):
         return a @ w_t if bias is None else torch.addmm(bias, a, w_t)
     (t, k), n = a.shape, w_t.shape[1]

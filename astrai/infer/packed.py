@@ -135,9 +135,14 @@ def _input_major(*parts: tuple[torch.Tensor, Optional[torch.Tensor]],
             w = torch.cat(ts, dim=1, out=out)
     else:
         w = torch.cat(ts, dim=1).contiguous()
+    return w, _biases(parts)
+
+
+def _biases(parts) -> Optional[torch.Tensor]:
+    """The (weight, bias) pairs' biases concatenated (zeros for a pair without one), or None when none has one."""
     if all(p[1] is None for p in parts):
-        return w, None
-    return w, torch.cat([p[1] if p[1] is not None else p[0].new_zeros(p[0].shape[0]) for p in parts])
+        return None
+    return torch.cat([p[1] if p[1] is not None else p[0].new_zeros(p[0].shape[0]) for p in parts])
 
 
 def norm_weight(m: RMSNorm) -> torch.Tensor:
@@ -171,26 +176,39 @@ def _experts(moe: SparseMoE, where: str, prev: Optional[Experts]) -> Experts:
                    _stack(down, prev and prev.down_t), moe.top_k, moe.renormalise, cast_back=not moe.mixtral)
 
 
-def _layer(model, i: int, prev: Optional[Layer] = None) -> Layer:
+def _projection(parts, into, quantize: Optional[str], name: str):
+    """(weight, bias) of a packed projection: the input-major copy, or a QuantizedWeight of `quantize`
+    (astrai.infer.quantized) with the same concatenated biases."""
+    if quantize is None:
+        return _input_major(*parts, into=into)
+    from astrai.infer.quantized import quantize_weight
+
+    return quantize_weight(parts, quantize, name), _biases(parts)
+
+
+def _layer(model, i: int, prev: Optional[Layer] = None, quantize: Optional[str] = None) -> Layer:
     layer, where = model.model.layers[i], f"model.layers.{i}"
+    prev = prev if quantize is None else None
     a = layer.self_attn
     _check_children(layer, "layer", where)
     _check_children(a, "attn", f"{where}.self_attn")
     q, k, v, o = (linear_weight(getattr(a, n), f"{where}.self_attn.{n}") for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    qkv_t, qkv_b = _input_major(q, k, v, into=prev and prev.qkv_t)
+    qkv_t, qkv_b = _projection((q, k, v), prev and prev.qkv_t, quantize, f"{where}.self_attn.q_proj/k_proj/v_proj")
     qk_norm = None
     if hasattr(a, "q_norm"):
         qk_norm = torch.cat([norm_weight(a.q_norm).expand(a.hq, a.d), norm_weight(a.k_norm).expand(a.hkv, a.d)])
     ffn = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
     gemma = hasattr(layer, "pre_feedforward_layernorm")
     w = Layer(attn_norm=norm_weight(layer.input_layernorm), qkv_t=qkv_t, qkv_b=qkv_b, qk_norm=qk_norm,
-              o_t=_input_major(o, into=prev and prev.o_t)[0], o_b=o[1],
+              o_t=_projection((o,), prev and prev.o_t, quantize, f"{where}.self_attn.o_proj")[0], o_b=o[1],
               attn_out_norm=norm_weight(layer.post_attention_layernorm) if gemma else None,
               ffn_norm=norm_weight(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
               ffn_out_norm=norm_weight(layer.post_feedforward_layernorm) if gemma else None,
               gate_up_t=None, gate_up_b=None, down_t=None, down_b=None, experts=None, window=a.window,
               rope=model.layer_ropes[i], own={"q": q, "k": k, "v": v, "o": o})
     if isinstance(ffn, SparseMoE):
+        if quantize is not None:
+            raise UnservableModel(f"{where}: a mixture-of-experts layer; quantize covers dense layers only")
         w.experts = _experts(ffn, f"{where}.{'block_sparse_moe' if hasattr(layer, 'block_sparse_moe') else 'mlp'}",
                              prev and prev.experts)
         return w
@@ -198,16 +216,18 @@ def _layer(model, i: int, prev: Optional[Layer] = None) -> Layer:
         raise UnservableModel(f"{where}.mlp is a {type(ffn).__name__}, not a gated MLP or experts")
     _check_children(ffn, "mlp", f"{where}.mlp")
     g, u, d = (linear_weight(getattr(ffn, n), f"{where}.mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
-    w.gate_up_t, w.gate_up_b = _input_major(g, u, into=prev and prev.gate_up_t)
-    w.down_t, w.down_b = d[0].t(), d[1]
+    w.gate_up_t, w.gate_up_b = _projection((g, u), prev and prev.gate_up_t, quantize, f"{where}.mlp.gate_proj/up_proj")
+    w.down_t, w.down_b = (d[0].t(), d[1]) if quantize is None else _projection((d,), None, quantize, f"{where}.mlp.down_proj")
     w.own.update(gate=g, up=u)
     return w
 
 
 @torch.no_grad()
-def pack(model, into: Optional[Packed] = None) -> Packed:
+def pack(model, into: Optional[Packed] = None, quantize: Optional[str] = None, quantize_head: bool = False) -> Packed:
     """The packed weights of a CausalLM (see the module docstring); raises UnservableModel. The copies
-    of `into` (an earlier pack of the same model) are written again where they fit, not reallocated."""
+    of `into` (an earlier pack of the same model) are written again where they fit, not reallocated.
+    `quantize` (int8 | int4): the decoder's projections as astrai.infer.quantized weights instead of
+    input-major copies, and the LM head too with `quantize_head` (the embedding stays as it is)."""
     c = model.config
     head, _ = linear_weight(model.lm_head, "lm_head")
     embed = model.model.embed_tokens.weight.detach()
@@ -215,9 +235,10 @@ def pack(model, into: Optional[Packed] = None) -> Packed:
     old = into.layers if into is not None else []
     head_t = None
     if head.device.type == "cpu":
-        head_t = _input_major((head, None), into=into and into.head_t)[0]
+        head_t = _projection(((head, None),), into and into.head_t, quantize if quantize_head else None, "lm_head")[0]
     return Packed(embed=embed, embed_scale=None if scale is None else scale.to(embed.device),
-                  layers=[_layer(model, i, old[i] if i < len(old) else None) for i in range(c.num_hidden_layers)],
+                  layers=[_layer(model, i, old[i] if i < len(old) else None, quantize)
+                          for i in range(c.num_hidden_layers)],
                   norm=norm_weight(model.model.norm), head=head, head_t=head_t)
 
 

@@ -26,6 +26,10 @@ class DocumentContext(AttentionContext):
     def __init__(self, doc_lens: list[int]):
         self.doc_lens = doc_lens
 
+    def rope_tables(self, position_ids, rope):
+        """None: the engine's fused forward then applies RoPE through `rotary` (the model's own)."""
+        return None
+
     def attend(self, layer_idx, q, k, v, window=None, scale=None):
         out, start = torch.empty_like(q), 0
         for n in self.doc_lens:

@@ -82,12 +82,13 @@ class DecodeInputs:
 
 class ModelRunner:
     def __init__(self, model, pool: PagePool, backend: AttentionBackend, device="cpu", compile: bool = False,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, quantize: tuple = (None, False)):
         self.model = model
         self.pool = pool
         self.backend = backend
         self.device = torch.device(device)
-        self.fused = FusedModel(model)  # raises UnservableModel for what it cannot compute
+        # raises UnservableModel for what it cannot compute; quantize: (int8 | int4 | None, LM head too)
+        self.fused = FusedModel(model, *quantize)
         self.watch = WeightWatch(model)
         max_running = pool.table.table.shape[0]
         self.decode_inputs = DecodeInputs(max_running, max_running * pages_for(pool.max_context, pool.page_size),
