@@ -67,15 +67,20 @@ def test_a_size_that_does_not_divide_the_block_is_refused_before_any_tensor_is_r
 
 
 _MEASURE = """
-import json, resource, sys
+import json, sys
 import torch
 from astrai.config.train import LORA_TARGETS
 from astrai.model import load_model
 from astrai.model.quant import _torchao, quantize_layers
 _torchao()  # its import is not the model's memory
 torch.set_num_threads(1)
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return status("VmHWM")
+with open("/proc/self/clear_refs", "w") as f:  # the peak so far (imports) set back to what is resident now
+    f.write("5")
 before = peak()
 if sys.argv[2] == "streamed":
     m = load_model(sys.argv[1], quantize="nf4", quantize_modules=LORA_TARGETS)
@@ -100,4 +105,5 @@ def test_loading_into_nf4_never_holds_the_float32_base(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         grew[way] = json.loads(r.stdout.strip().splitlines()[-1])
     assert grew["after"] >= 0.9 * projections, grew  # a full load holds every float32 projection at once
-    assert grew["streamed"] <= 0.35 * projections, grew  # NF4 (an eighth) plus about one layer in float32
+    # NF4 (an eighth) plus about one layer in float32: at least half the float32 projections never resident
+    assert grew["streamed"] <= grew["after"] - 0.5 * projections, grew
