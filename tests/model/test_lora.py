@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from lora_random import random_adapter
+
 from astrai.model import CausalContext, CausalLM, ModelConfig, load_model, save_model
 from astrai.model.adapter_files import (AdapterError, check_adapter, load_checkpoint, read_adapter, resolve_base,
                                         save_adapter)
@@ -24,17 +26,6 @@ def _base(tmp_path, cfg=CFG, seed=0, name="base"):
     path = tmp_path / name
     save_model(CausalLM(cfg), path)
     return path
-
-
-def _trained_adapter(path, spec=LoraSpec(4, 8.0), seed=1):
-    """A LoRA model on the base at `path` with random (non-zero) A and B, as after some training."""
-    model = load_model(path)
-    torch.manual_seed(seed)
-    apply_lora(model, spec, base=str(path))
-    with torch.no_grad():
-        for layer in lora_layers(model).values():
-            layer.lora_B.weight.normal_(0, 0.05)
-    return model.eval()
 
 
 def _logits(model, ids):
@@ -76,7 +67,7 @@ def test_peft_loads_our_adapter_with_our_logits(tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     base = _base(tmp_path)
-    ours = _trained_adapter(base, LoraSpec(4, 8.0, targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")))
+    ours = random_adapter(base, LoraSpec(4, 8.0, targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")))
     save_adapter(ours, tmp_path / "adapter")
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM" and cfg["r"] == 4
@@ -118,7 +109,7 @@ def test_a_peft_saved_adapter_loads_here(tmp_path):
 def test_merged_state_is_a_plain_checkpoint_with_the_same_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     base = _base(tmp_path)
-    ours = _trained_adapter(base)
+    ours = random_adapter(base)
     merged = merged_state(ours.state_dict(), ours.adapter.spec.scaling)
     assert not any("lora_" in k or "base_layer" in k for k in merged)
     save_model(ours, tmp_path / "merged", merged)
@@ -136,7 +127,7 @@ def test_merged_state_is_a_plain_checkpoint_with_the_same_logits(tmp_path):
 
 def test_adapters_off_is_the_base_and_the_view_shares_its_weights(tmp_path):
     base = _base(tmp_path)
-    ours = _trained_adapter(base)
+    ours = random_adapter(base)
     ids = torch.randint(0, CFG.vocab_size, (8,))
     with adapters_disabled(ours):
         off = _logits(ours, ids)
@@ -150,7 +141,7 @@ def test_adapters_off_is_the_base_and_the_view_shares_its_weights(tmp_path):
 
 
 def test_cast_keeps_adapters_float32_under_a_bfloat16_base(tmp_path):
-    model = _trained_adapter(_base(tmp_path))
+    model = random_adapter(_base(tmp_path))
     a = {n: m.lora_A.weight.clone() for n, m in lora_layers(model).items()}
     cast(model, "cpu", torch.bfloat16)
     for n, m in lora_layers(model).items():
@@ -168,7 +159,7 @@ def test_cast_keeps_adapters_float32_under_a_bfloat16_base(tmp_path):
 
 def test_base_resolution_relative_absolute_and_override(tmp_path, monkeypatch):
     base = _base(tmp_path)
-    ours = _trained_adapter(base)
+    ours = random_adapter(base)
     save_adapter(ours, tmp_path / "run" / "final")
     assert resolve_base(tmp_path / "run" / "final") == base
     cfg_file = tmp_path / "run" / "final" / "adapter_config.json"
@@ -186,7 +177,7 @@ def test_base_resolution_relative_absolute_and_override(tmp_path, monkeypatch):
 
 def test_a_base_that_does_not_fit_is_refused_in_one_line(tmp_path):
     base = _base(tmp_path)
-    save_adapter(_trained_adapter(base), tmp_path / "adapter")
+    save_adapter(random_adapter(base), tmp_path / "adapter")
     wider = _base(tmp_path, CFG.replace(hidden_size=48), name="wider")
     # down_proj's B is [hidden, r]: 32 rows here, 48 in the wider base
     with pytest.raises(AdapterError, match=r"tensor base_model\.model\.model\.layers\.0\.mlp\.down_proj\.lora_B\.weight "
@@ -214,7 +205,7 @@ def test_a_base_that_does_not_fit_is_refused_in_one_line(tmp_path):
 def test_moe_experts_can_be_targets(tmp_path):
     cfg = CFG.replace(num_local_experts=2, num_experts_per_tok=1)
     base = _base(tmp_path, cfg)
-    ours = _trained_adapter(base, LoraSpec(2, 4.0, targets=("q_proj", "w1", "w2", "w3")))
+    ours = random_adapter(base, LoraSpec(2, 4.0, targets=("q_proj", "w1", "w2", "w3")))
     assert len(lora_layers(ours)) == 2 * (1 + 2 * 3)
     save_adapter(ours, tmp_path / "adapter")
     tensors, _ = read_adapter(tmp_path / "adapter")

@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "model"))  # lora_random
 
 from serving import ServerProcess  # noqa: E402
 

@@ -5,25 +5,18 @@
 import concurrent.futures
 
 import pytest
-import torch
 
+from lora_random import random_adapter
 from serving import ServerProcess
 
-from astrai.model import load_model
 from astrai.model.adapter_files import save_adapter
-from astrai.model.lora import LoraSpec, apply_lora, lora_layers
+from astrai.model.lora import LoraSpec
 
 openai = pytest.importorskip("openai")
 
 
 def _adapter(base, path, spec, seed):
-    model = load_model(base)
-    torch.manual_seed(seed)
-    apply_lora(model, spec, base=str(base))
-    with torch.no_grad():
-        for layer in lora_layers(model).values():
-            layer.lora_B.weight.normal_(0, 0.5)
-    save_adapter(model, path)
+    save_adapter(random_adapter(base, spec, seed, std=0.5), path)
     return path
 
 

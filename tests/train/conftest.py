@@ -18,3 +18,16 @@ def loads_in_transformers():
             ref = hf(input_ids=ids[None], use_cache=False).logits[0]
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     return check
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tiny_tokenizer):
+    """A 'pretrained' tiny checkpoint whose vocabulary covers the tiny tokenizer."""
+    import torch
+
+    from astrai.model import CausalLM, ModelConfig, save_model
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("base") / "base"
+    save_model(CausalLM(ModelConfig.preset("tiny", vocab_size=448, tie_word_embeddings=True)), path)
+    return path

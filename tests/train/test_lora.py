@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import train_script as ts  # noqa: E402
 from test_run import _opts, datasets  # noqa: E402,F401  (the module's preprocessed sft/dpo data)
 
-from astrai.model import CausalContext, CausalLM, ModelConfig, load_model, save_model  # noqa: E402
+from astrai.model import CausalContext, load_model  # noqa: E402
 from astrai.model.adapter_files import load_checkpoint, read_adapter  # noqa: E402
 from astrai.model.lora import BaseView, lora_layers  # noqa: E402
 from astrai.train import resume  # noqa: E402
@@ -28,15 +28,6 @@ from astrai.train.strategies import Env, make_strategy  # noqa: E402
 SCRIPT = os.path.join(os.path.dirname(__file__), "train_script.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 EXACT = 1e-9  # float64 runs: equal up to summation order (see test_fsdp.py)
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tiny_tokenizer):
-    """A 'pretrained' tiny checkpoint whose vocabulary covers the tiny tokenizer."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("lora-base") / "base"
-    save_model(CausalLM(ModelConfig.preset("tiny", vocab_size=448, tie_word_embeddings=True)), path)
-    return path
 
 
 def _logits(model, ids):

@@ -28,14 +28,6 @@ QLORA = {"rank": 4, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_pr
 F32 = 1e-4
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tiny_tokenizer):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("qlora-base") / "base"
-    save_model(CausalLM(ModelConfig.preset("tiny", vocab_size=448, tie_word_embeddings=True)), path)
-    return path
-
-
 def _logits(model, ids):
     with torch.no_grad():
         return model.logits(model(ids, torch.arange(len(ids)), CausalContext()))
