@@ -48,7 +48,8 @@ class QuantizedWeight:
         self.shape = (layer.in_features, layer.out_features)
 
     def product(self, a: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        raise NotImplementedError
+        y = self.layer(a)  # quant.Int8Linear: _weight_int8pack_mm; quant.Int4Linear: _weight_int4pack_mm_for_cpu
+        return y if bias is None else y.add_(bias)
 
     def dequantize(self) -> torch.Tensor:
         return self.layer.dequantize().float().t()
@@ -60,17 +61,9 @@ class QuantizedWeight:
 class Int8Weight(QuantizedWeight):
     kind = "int8"
 
-    def product(self, a, bias=None):
-        y = self.layer(a)  # quant.Int8Linear: _weight_int8pack_mm
-        return y if bias is None else y.add_(bias)
-
 
 class Int4Weight(QuantizedWeight):
     kind = "int4"
-
-    def product(self, a, bias=None):
-        y = self.layer(a)  # quant.Int4Linear: _weight_int4pack_mm_for_cpu
-        return y if bias is None else y.add_(bias)
 
 
 def quantize_weight(parts: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]], kind: str, name: str) \
