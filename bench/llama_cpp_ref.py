@@ -45,6 +45,12 @@ def f32_gguf(src: str, dst: str, threads: int, ftype: str = "ALL_F32") -> str:
     return dst
 
 
+def amx_cpu() -> bool:
+    from astrai.runtime.hardware import cpu_flags
+
+    return "amx_tile" in (cpu_flags() or ())
+
+
 class LlamaCpp:
     def __init__(self, path: str, threads: int, max_seqs: int = 16, ctx_per_seq: int = 1024):
         import llama_cpp as lc
@@ -54,6 +60,9 @@ class LlamaCpp:
         self.lc = lc
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
+        # llama.cpp's extra weight buffers (AMX and x86 repacking) made llama_decode segfault on an AMX CPU
+        # here (Sapphire Rapids under KVM, 2026-12-05); without them it runs its plain CPU kernels
+        mparams.use_extra_bufts = not amx_cpu()
         self.model = lc.llama_model_load_from_file(path.encode(), mparams)
         if not self.model:
             raise SystemExit(f"llama.cpp could not load {path}")

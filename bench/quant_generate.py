@@ -29,6 +29,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from astrai.runtime.hardware import cpu_flags_line  # noqa: E402
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30  # (in, out)
 
@@ -124,11 +125,12 @@ def decode(args):
 
     conv = [next(r["messages"][:1] for r in chats(200)[1] if r["messages"][0]["role"] == "user")]
     sides = {}
-    for q, head in ((None, False), ("int8", False), ("int8", True), ("int4", False), ("int4", True)):
+    for q, head, dtype in ((None, False, "float32"), (None, False, "bfloat16"), ("int8", False, "float32"),
+                           ("int8", True, "float32"), ("int4", False, "float32"), ("int4", True, "float32")):
         t = time.perf_counter()
-        engine = Engine.from_checkpoint(args.checkpoint, EngineOptions(device="cpu", dtype="float32", quantize=q,
+        engine = Engine.from_checkpoint(args.checkpoint, EngineOptions(device="cpu", dtype=dtype, quantize=q,
                                                                        quantize_head=head, kv_cache_tokens=4096))
-        name = f"astrai {q or 'float32'}" + (" + head" if head else "")
+        name = f"astrai {q or dtype}" + (" + head" if head else "")
         print(f"{name}: loaded and packed in {time.perf_counter() - t:.1f} s", flush=True)
 
         def run(n, engine=engine):
@@ -155,7 +157,7 @@ def decode(args):
     best = {k: max(v) for k, v in rates.items()}
     for ours, cpp in (("astrai int8", "llama.cpp Q8_0"), ("astrai int8 + head", "llama.cpp Q8_0"),
                       ("astrai int4", "llama.cpp Q4_1"), ("astrai int4 + head", "llama.cpp Q4_1"),
-                      ("astrai float32", "llama.cpp f32")):
+                      ("astrai float32", "llama.cpp f32"), ("astrai bfloat16", "llama.cpp f32")):
         print(f"  {ours} / {cpp}: {best[ours] / best[cpp]:.2f}x")
 
 
@@ -169,7 +171,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, cpu capability "
-          f"{torch.backends.cpu.get_cpu_capability()}", flush=True)
+          f"{torch.backends.cpu.get_cpu_capability()}, {cpu_flags_line()}", flush=True)
     if args.kernels:
         kernels()
     if args.checkpoint:

@@ -50,8 +50,8 @@ def decode_layer_fn(hq: int, hkv: int, d: int, eps: float, offset: bool, act: st
 
     def layer(x, attn_norm, qkv_t, qkv_b, qk_norm, o_t, o_b, attn_out_norm, ffn_norm, gu_t, gu_b, down_t, down_b,
               ffn_out_norm, cos, sin, k_cache, v_cache, write_slots, kv_slots, kv_bias):
-        b = x.shape[0]
-        qkv = norm(x, attn_norm) @ qkv_t
+        b, wd = x.shape[0], qkv_t.dtype  # x: float32 under 16-bit weights (fused's stream); casts else no-ops
+        qkv = norm(x, attn_norm).to(wd) @ qkv_t
         if qkv_b is not None:
             qkv = qkv + qkv_b
         qkv = qkv.view(b, hq + 2 * hkv, d)
@@ -66,11 +66,11 @@ def decode_layer_fn(hq: int, hkv: int, d: int, eps: float, offset: bool, act: st
         values = v_cache[kv_slots]
         scores = (q.reshape(b, 1, hkv, group, d) * keys[:, :, :, None, :]).sum(-1) * scale  # [B, L, Hkv, G]
         p = torch.softmax(scores + kv_bias[:, :, None, None], dim=1)
-        a = (p[..., None] * values[:, :, :, None, :]).sum(1).reshape(b, hq * d) @ o_t
+        a = (p[..., None] * values[:, :, :, None, :]).sum(1).reshape(b, hq * d).to(wd) @ o_t
         if o_b is not None:
             a = a + o_b
         x = x + (a if attn_out_norm is None else norm(a, attn_out_norm))
-        h = norm(x, ffn_norm)
+        h = norm(x, ffn_norm).to(wd)
         if gu_t is None:
             return x, h
         gu = h @ gu_t
@@ -118,7 +118,7 @@ class CompiledDecode:
             x, h = out
             y = experts_forward(h, w.experts, f.act)
             x = x + (y if w.ffn_out_norm is None else f.norm(y, w.ffn_out_norm))
-        return f.norm(x, f.packed.norm)
+        return f._in(f.norm(x, f.packed.norm))
 
     @torch.inference_mode()
     def warm_up(self) -> None:

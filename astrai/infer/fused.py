@@ -14,9 +14,19 @@ Qwen3-MoE). Prefill, decode, the compiled decode (astrai.infer.compiled) and the
     a sparse layer routes instead (`experts_forward`)
     final norm; logits = head matmul, soft-capped when the config says so (Gemma)
 
-On a CPU with several threads the products of a step of up to SPLIT_N_ROWS rows run as one batched
-product of as many pieces as threads (`matmul`): MKL gives one or a few rows times a weight fewer threads
-than it has (a single row: one), so a decode step would stream its weights on one core.
+On a CPU with several threads the float32 products of a step of up to SPLIT_N_ROWS rows run as one
+batched product of as many pieces as threads (`matmul`): MKL gives one or a few rows times a weight fewer
+threads than it has (a single row: one), so a decode step would stream its weights on one core. bfloat16
+products are oneDNN's, which spread over the threads themselves (a split runs them up to 2x slower).
+
+bfloat16 or float16 weights on a CPU: the residual stream stays float32 (`stream`). Each projection's
+input (a norm's output, attention's output, the activation) is rounded to the weights' dtype, the
+product accumulates in float32 and is rounded once to that dtype, and its result is added to the float32
+residual; the norms over the residual run in float32. Hugging Face's bf16 forward keeps the residual in
+bf16, whose 8 significant bits lose the small updates that later layers add to the large activations
+some models carry (SmolLM2's reach 2.5e4: one bf16 step there is 128). Those rounding errors flipped
+SmolLM2's first greedy token on a 37-token prompt; with the float32 stream the error left is the weights'
+and the products' own rounding. The hidden state returned by `forward` is rounded to the weights' dtype.
 
 RoPE uses cos/sin gathered once per step per distinct RoPE (`ctx.rope_tables`: Gemma 3's local
 layers have their own), shared by the layers that use it, as x * cos + swap_halves(x) * sin_signed,
@@ -59,12 +69,16 @@ class FusedModel:
         # int8 | int4: the projections (and the LM head with quantize_head) as astrai.infer.quantized weights,
         # multiplied at every row count by their own product (no `own` path)
         self.quantize, self.quantize_head = quantize, quantize_head
+        self.stream: Optional[torch.dtype] = None  # float32 under 16-bit weights on a CPU (module docstring)
         self.rebuild()
 
     def rebuild(self) -> None:
         """(Re)pack the weights from the model's current ones, into the copies already there."""
         self.packed = pack(self.model, getattr(self, "packed", None), self.quantize, self.quantize_head)
         self.layers: list[Layer] = self.packed.layers
+        self.wdtype = self.packed.embed.dtype
+        half = self.wdtype in (torch.bfloat16, torch.float16) and self.packed.embed.device.type == "cpu"
+        self.stream = torch.float32 if half else None
         self.builds += 1
 
     def release(self) -> None:
@@ -77,7 +91,12 @@ class FusedModel:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.packed.embed)
         scale = self.packed.embed_scale
-        return x if scale is None else x * scale
+        x = x if scale is None else x * scale
+        return x if self.stream is None else x.to(self.stream)
+
+    def _in(self, h: torch.Tensor) -> torch.Tensor:
+        """A projection's input in the weights' dtype (a no-op unless the stream is float32)."""
+        return h if self.stream is None else h.to(self.wdtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx, static: bool = False) -> torch.Tensor:
         """hidden [T, H] after the final norm, as CausalLM.forward returns it. `static`: no operation
@@ -85,7 +104,7 @@ class FusedModel:
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, position_ids, ctx, static)
-        return self.norm(x, self.packed.norm)
+        return self._in(self.norm(x, self.packed.norm))
 
     __call__ = forward
 
@@ -98,10 +117,10 @@ class FusedModel:
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         lora = self.lora  # LoRA adapters' terms, added to each projection group's output
-        parts = split_parts(x, self.threads)
+        parts = split_parts(x, self.threads) if self.wdtype == torch.float32 else 1
         # the model's own weights, one matmul per projection (unless the products are split)
         own = parts == 1 and self.own_rows[0] <= t <= self.own_rows[1] and self.quantize is None
-        h = self.norm(x, w.attn_norm)
+        h = self._in(self.norm(x, w.attn_norm))
         if own:
             qkv = torch.cat([F.linear(h, *w.own[n]) for n in ("q", "k", "v")], 1)
         else:
@@ -120,7 +139,7 @@ class FusedModel:
         o = ctx.attend(i, q, k, qkv[:, hq + hkv:], window=w.window, scale=self.scale).reshape(t, hq * d)
         x = self._residual(x, o, w.own["o"][0].t() if own else w.o_t, w.o_b, w.attn_out_norm,
                            lora and lora[0].delta(i, "o", o, lora[1]), parts)
-        h = self.norm(x, w.ffn_norm)
+        h = self._in(self.norm(x, w.ffn_norm))
         if w.experts is not None:
             y = experts_forward(h, w.experts, self.act, static)
             return x + (y if w.ffn_out_norm is None else self.norm(y, w.ffn_out_norm))
@@ -142,7 +161,7 @@ class FusedModel:
         """x + (a @ weight_t + bias + extra), the branch normalised first where the family does (Gemma);
         `extra`: the adapters' low-rank term of the projection, or None; `parts`: see `matmul`."""
         if out_norm is None and bias is None and extra is None and isinstance(weight_t, torch.Tensor) \
-                and not _splits(a, weight_t, parts):
+                and x.dtype == a.dtype and not _splits(a, weight_t, parts):
             return torch.addmm(x, a, weight_t)
         y = _plus(matmul(a, weight_t, parts, bias), extra)
         return x + (y if out_norm is None else self.norm(y, out_norm))
@@ -160,10 +179,10 @@ SPLIT_N_ROWS = 128
 
 def split_parts(x: torch.Tensor, threads: Optional[int] = None) -> int:
     """How many pieces `matmul` splits a step's products into: `threads` (default torch's thread count)
-    for a CPU step of at most SPLIT_N_ROWS rows, else 1. MKL multiplies a few rows by a weight on fewer
+    for a float32 CPU step of at most SPLIT_N_ROWS rows, else 1. MKL multiplies a few rows by a weight on fewer
     threads than it is given (one row: one thread); a batched product (bmm) of the pieces runs them side
     by side."""
-    if x.device.type != "cpu" or x.shape[0] > SPLIT_N_ROWS:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[0] > SPLIT_N_ROWS:
         return 1
     return torch.get_num_threads() if threads is None else threads
 
@@ -237,7 +256,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     torch's rms_norm runs the same operations in C++ (bit-identical, fewer Python calls); in other dtypes
     it rounds once where Hugging Face rounds twice, so the model's formula is kept there."""
     if x.dtype in (torch.float32, torch.float64):
-        if weight.shape == x.shape[-1:]:
+        if weight.shape == x.shape[-1:] and weight.dtype == x.dtype:
             return F.rms_norm(x, x.shape[-1:], weight, eps)
         return F.rms_norm(x, x.shape[-1:], None, eps) * weight
     h = at_least_float32(x)

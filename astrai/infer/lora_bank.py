@@ -76,11 +76,13 @@ class Rows:
 
     def back(self, reps: int) -> Optional[torch.Tensor]:
         """[T * reps]: for token t and projection p < reps, the row (j * reps + p) * m + s of the run's
-        product [n * reps * m, o] that holds it (slot j * m + s); None when that is row t itself."""
+        product [n * reps * m, o] that holds it (slot j * m + s); None when that is row t itself and the
+        product has no rows past the tokens' (unfilled slots of the last adapter)."""
         if reps not in self._back:
             m = self.m
             rows = [(s // m * reps + p) * m + s % m for s in self.slot for p in range(reps)]
-            self._back[reps] = None if rows == list(range(len(rows))) else torch.tensor(rows, device=self.device)
+            same = rows == list(range(len(rows))) and len(self.slot) == (self.hi - self.lo) * m
+            self._back[reps] = None if same else torch.tensor(rows, device=self.device)
         return self._back[reps]
 
 

@@ -50,7 +50,7 @@ def test_generate_on_an_adapter_equals_the_unmerged_lora_model(checkpoint, adapt
                "--temperature", "0", "--ignore-eos", "--device", "cpu"])
     assert rc == 0, capsys.readouterr().err
     rec = json.loads(out_file.read_text())
-    prompt = Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu")).generate(
+    prompt = Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", dtype="float32")).generate(
         [[{"role": "user", "content": "how are you"}]], SamplingParams(max_tokens=1))[0].prompt_token_ids
     assert rec["token_ids"] == slow_greedy(lora_model, prompt, 6)
     assert rec["token_ids"] != slow_greedy(load_model(checkpoint), prompt, 6)  # the adapter changed the answer
@@ -98,5 +98,5 @@ def test_base_override_and_one_line_refusals(checkpoint, adapter, capsys, tmp_pa
 
 def test_engine_takes_the_adapter_dirs_tokenizer_else_the_base(checkpoint, adapter, tmp_path):
     path, _ = adapter
-    engine = Engine.from_checkpoint(path, EngineOptions(device="cpu"))
+    engine = Engine.from_checkpoint(path, EngineOptions(device="cpu", dtype="float32"))
     assert engine.tokenizer is not None and engine.tokenizer.path == load_tokenizer(str(checkpoint)).path

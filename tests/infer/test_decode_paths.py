@@ -60,8 +60,8 @@ def test_plan_inputs_by_hand():
 def test_compiled_decode_equals_eager(tiny_path):
     """Greedy tokens of the compiled decode equal the eager fused path's, over batches of 1 and of several
     requests (with radix-shared prefixes and different lengths), and the logits agree closely."""
-    eager = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", page_size=4, max_running=8))
-    compiled = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", page_size=4, max_running=8,
+    eager = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", dtype="float32", page_size=4, max_running=8))
+    compiled = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", dtype="float32", page_size=4, max_running=8,
                                                                    compile=True))
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)
     for ps in (prompts(1, 1), prompts(2, 6)):
@@ -96,7 +96,7 @@ def test_compiled_decode_equals_eager_for_every_family(name, tmp_path):
     from astrai.infer.runner import PagedContext
 
     path = _family_path(name, tmp_path)
-    opts = dict(device="cpu", page_size=4, max_running=4)
+    opts = dict(device="cpu", dtype="float32", page_size=4, max_running=4)
     eager = Engine(load_model(path), options=EngineOptions(**opts))
     compiled = Engine(load_model(path), options=EngineOptions(**opts))
     r = compiled.runner

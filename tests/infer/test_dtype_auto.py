@@ -56,3 +56,43 @@ def test_a_bf16_engine_computes_in_bf16_and_follows_fp32_greedy(monkeypatch):
     # never at the first token of these random-weight prompts (their top two logits are far apart)
     for x, y in zip(a, b):
         assert x[0] == y[0], (x, y)
+
+
+def test_bf16_weights_keep_a_float32_residual_stream_on_the_cpu(tmp_path):
+    """Every layer's input and output (the residual) is float32 under bf16 weights on the CPU, while the
+    weights, K/V and the returned hidden state are bf16; the greedy token and its log-prob follow float32's
+    (the real model's case, where a bf16 residual flipped an answer: tests/model/test_real_model.py)."""
+    from astrai.infer.fused import FusedModel
+
+    ref = Engine(_model(), options=EngineOptions(device="cpu", dtype="float32", kv_cache_tokens=512))
+    eng = Engine(_model(), options=EngineOptions(device="cpu", dtype="bfloat16", kv_cache_tokens=512))
+    fused = eng.runner.fused
+    assert fused.stream == torch.float32 and fused.wdtype == torch.bfloat16
+    assert eng.backend.k_cache[0].dtype == torch.bfloat16
+    seen, layer, forward = [], FusedModel._layer, FusedModel.__call__
+
+    def spy_layer(self, i, w, x, *rest):
+        out = layer(self, i, w, x, *rest)
+        seen.append((x.dtype, out.dtype))
+        return out
+
+    def spy_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        seen.append(("hidden", out.dtype))
+        return out
+
+    prompt = [3, 5, 9, 13, 2, 3, 40, 41]
+    p = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True)
+    FusedModel._layer, FusedModel.__call__ = spy_layer, spy_forward
+    try:
+        got = eng.generate([prompt], p)[0]
+    finally:
+        FusedModel._layer, FusedModel.__call__ = layer, forward
+    layers = [d for d in seen if d[0] != "hidden"]
+    assert len(layers) == 2 * 4 and all(d == (torch.float32, torch.float32) for d in layers), seen
+    assert [d for d in seen if d[0] == "hidden"] == [("hidden", torch.bfloat16)] * 4
+    want = ref.generate([prompt], p)[0]
+    assert got.token_ids[0] == want.token_ids[0]
+    # one bf16 rounding of the weights, the products' inputs and outputs: a few 2^-9 relative on logits of
+    # size ~1 (the whole model is two layers), far below the gap to a wrong token here
+    assert abs(got.logprobs[0].logprob - want.logprobs[0].logprob) < 0.05

@@ -13,7 +13,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 @pytest.fixture
 def engine(checkpoint):
-    return Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", page_size=4, kv_cache_tokens=2048))
+    return Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", dtype="float32", page_size=4, kv_cache_tokens=2048))
 
 
 def test_stream_pieces_add_up_to_the_completion(engine):
@@ -99,7 +99,7 @@ def test_breaking_out_of_a_stream_frees_memory(engine):
 
 
 def test_request_too_large_is_an_error_not_a_hang(checkpoint):
-    engine = Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", page_size=4, kv_cache_tokens=32))
+    engine = Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", dtype="float32", page_size=4, kv_cache_tokens=32))
     with pytest.raises(RequestTooLarge, match="lower max_tokens"):
         engine.generate("hello world", SamplingParams(max_tokens=40))
     assert not engine.has_work()

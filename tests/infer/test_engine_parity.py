@@ -79,7 +79,7 @@ def test_greedy_matches_transformers(name, which, request):
     path, hf = request.getfixturevalue(which)
     prompts = prompts_with_shared_prefixes(list(CONFIGS).index(name) + 10 * (which == "hf_checkpoint"))
     ref = hf_greedy(hf, prompts)
-    engine = Engine(load_model(path), options=EngineOptions(device="cpu", **CONFIGS[name]))
+    engine = Engine(load_model(path), options=EngineOptions(device="cpu", dtype="float32", **CONFIGS[name]))
     params = SamplingParams(max_tokens=NEW, temperature=0.0)
     for _ in range(2):  # the second round finds the first round's prompts in the radix cache
         outs = engine.generate(prompts, params)
@@ -114,7 +114,7 @@ def test_prefill_logits_equal_training_forward(name, hf_checkpoint, tmp_path):
     path = hf_checkpoint[0] if name == "hf_llama" else _family_checkpoint(name, tmp_path)
     model = load_model(path)
     vocab = model.config.vocab_size
-    engine = Engine(load_model(path), options=EngineOptions(device="cpu", page_size=4))
+    engine = Engine(load_model(path), options=EngineOptions(device="cpu", dtype="float32", page_size=4))
     prompts = [[t % vocab for t in p] for p in prompts_with_shared_prefixes(7)]
     engine.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0))  # caches prompt 0's prefix
     reqs = [engine.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]

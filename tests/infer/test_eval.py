@@ -74,7 +74,7 @@ def test_perplexity_matches_documents_alone(data_and_checkpoint, tmp_path):
     out = tmp_path / "eval.json"
     printed = io.StringIO()
     res = run_eval(EvalOptions(checkpoint=str(ckpt), data=str(data), output=str(out), samples=3,
-                               sample_max_tokens=5, batch_tokens=300, engine=EngineOptions(device="cpu")),
+                               sample_max_tokens=5, batch_tokens=300, engine=EngineOptions(device="cpu", dtype="float32")),
                    out=printed)
     assert res["trained_tokens"] == ref_count
     assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)

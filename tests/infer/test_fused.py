@@ -52,7 +52,7 @@ def test_fused_step_logits_equal_the_model_forward(tiny_path, page_size, own_row
     """Ragged prefill with a cached prefix, chunked prefill mixed with decode, then pure decode steps;
     every step on the input-major copies, on the model's own weights, as the row count chooses, or with
     the products split into 2 or 4 pieces (inner dimension for 1-3 rows, output dimension above)."""
-    engine = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", page_size=page_size, max_step_tokens=24,
+    engine = Engine(load_model(tiny_path), options=EngineOptions(device="cpu", dtype="float32", page_size=page_size, max_step_tokens=24,
                                                                  max_running=8))
     engine.runner.fused.own_rows = own_rows
     engine.runner.fused.threads = threads
@@ -86,7 +86,7 @@ def test_weights_changed_in_place_or_replaced_are_seen(tiny_path, tmp_path):
     """The engine's model changes under it (an optimizer step, load_state_dict, param.data = ...): the next
     step uses the new weights, equal to transformers on a checkpoint of them."""
     model = load_model(tiny_path)
-    engine = Engine(model, options=EngineOptions(device="cpu", page_size=4))
+    engine = Engine(model, options=EngineOptions(device="cpu", dtype="float32", page_size=4))
     params = SamplingParams(max_tokens=8, temperature=0.0)
     ps = prompts(2, n=3)
     engine.generate(ps, params)
@@ -120,11 +120,11 @@ def test_a_projection_the_engine_cannot_compute_is_refused_by_name(tiny_path):
     model = load_model(tiny_path)
     model.model.layers[1].self_attn.v_proj = Wrapped(model.model.layers[1].self_attn.v_proj)
     with pytest.raises(UnservableModel, match=r"model.layers.1.self_attn.v_proj is a Wrapped"):
-        Engine(model, options=EngineOptions(device="cpu"))
+        Engine(model, options=EngineOptions(device="cpu", dtype="float32"))
     model = load_model(tiny_path)
     model.model.layers[0].mlp.extra = nn.Linear(2, 2)
     with pytest.raises(UnservableModel, match=r"model.layers.0.mlp: submodules \['extra'\]"):
-        Engine(model, options=EngineOptions(device="cpu"))
+        Engine(model, options=EngineOptions(device="cpu", dtype="float32"))
 
 
 def _run_steps(engine, params, ps, check) -> list[list[int]]:
@@ -154,7 +154,7 @@ def test_lora_wrapped_projections_are_served_merged(tiny_path):
     with torch.no_grad():
         for layer in lora_layers(model).values():
             layer.lora_B.weight.normal_(0.0, 0.3)
-    engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=24, max_running=8))
+    engine = Engine(model, options=EngineOptions(device="cpu", dtype="float32", page_size=4, max_step_tokens=24, max_running=8))
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
     def check(batch):
@@ -192,7 +192,7 @@ def test_every_family_runs_the_one_forward(family, own_rows, threads):
     with decode, decode past the window of 8; each step's logits equal the model's own forward (1e-4, float32),
     the greedy tokens equal transformers' `generate`."""
     name, hf, path = family
-    engine = Engine(load_model(path), options=EngineOptions(device="cpu", page_size=4, max_step_tokens=24,
+    engine = Engine(load_model(path), options=EngineOptions(device="cpu", dtype="float32", page_size=4, max_step_tokens=24,
                                                             max_running=8))
     engine.runner.fused.own_rows = own_rows
     engine.runner.fused.threads = threads
@@ -222,7 +222,7 @@ def test_smollm2_chats_fused_equal_transformers_also_after_an_in_place_update(sm
     transformers = pytest.importorskip("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(smollm2)
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    engine = Engine.from_checkpoint(smollm2, EngineOptions(device="cpu", kv_cache_tokens=4096))
+    engine = Engine.from_checkpoint(smollm2, EngineOptions(device="cpu", dtype="float32", kv_cache_tokens=4096))
     chats = [[{"role": "user", "content": q}] for q in
              ("What is the capital of France?", "Can you explain the fourth dimension to a second grader?",
               "What are some social media ideas I could use?", "Which hero is the best in Heroes of Might and Magic 3?")]

@@ -15,7 +15,7 @@ from astrai.infer.request import SamplingParams
 
 
 def reference(checkpoint, prompts, params):
-    engine = Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu"))
+    engine = Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", dtype="float32"))
     return engine.generate(prompts, params)
 
 

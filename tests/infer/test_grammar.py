@@ -33,7 +33,7 @@ def valid(value, schema) -> bool:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    return Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", page_size=4, kv_cache_tokens=4096))
+    return Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", dtype="float32", page_size=4, kv_cache_tokens=4096))
 
 
 def test_sampled_answers_are_schema_valid_and_each_token_was_allowed(engine):

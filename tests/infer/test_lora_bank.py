@@ -96,6 +96,8 @@ def test_step_logits_match_the_merged_weights_within_float32_rounding(dirs):
     ([2, 0, 1, 2, 3], [4, 3, 1, 2, 5]),  # prefill rows of uneven counts
     ([3, 3], [5, 2]),  # one adapter only
     ([1, 0], [1, 1]),
+    ([1, 2], [2, 1]),  # in slot order, the last adapter's slots not all filled: the product has more rows
+    ([1, 1, 2, 2, 2], [1, 1, 1, 1, 1]),  # than tokens (a server's decode step of 2 + 3 requests)
 ])
 @pytest.mark.parametrize("attention", ["gqa", "mha"])
 def test_each_tokens_low_rank_term_is_its_own_adapters_product(both_dirs, attention, ids, q_lens):

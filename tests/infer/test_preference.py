@@ -111,7 +111,8 @@ def test_astrai_eval_on_pairs_and_groups(prefs, tmp_path, capsys):
     assert "--ref-model" in capsys.readouterr().err
     out = tmp_path / "dpo.json"
     assert main(["eval", str(prefs["policy"]), "--data", str(prefs["dpo"]), "--ref-model", str(prefs["ref"]),
-                 "--beta", "0.5", "--samples", "1", "--sample-max-tokens", "4", "--output", str(out)]) == 0
+                 "--beta", "0.5", "--samples", "1", "--sample-max-tokens", "4", "--output", str(out),
+                 "--dtype", "float32"]) == 0
     r = json.loads(out.read_text())
     want = dpo_eval(load_model(prefs["policy"]).eval(), load_model(prefs["ref"]).eval(), ShardDataset(prefs["dpo"]), 0.5)
     assert r["data_kind"] == "dpo" and r["reward_margin"] == pytest.approx(want["reward_margin"])

@@ -168,7 +168,7 @@ def test_lora_adapters_over_a_quantized_base(tmp_path):
         for layer in lora_layers(model).values():
             layer.lora_B.weight.normal_(0, 0.3)
     save_adapter(model, tmp_path / "a")
-    opts = EngineOptions(device="cpu", kv_cache_tokens=512, page_size=4, quantize="int4")
+    opts = EngineOptions(device="cpu", dtype="float32", kv_cache_tokens=512, page_size=4, quantize="int4")
     engine = Engine.from_checkpoint(tmp_path / "base", opts, adapters={"a": tmp_path / "a"})
     prompt, params = [1, 5, 9, 13, 2, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     got = engine.generate([prompt, prompt], params, adapters=["a", None])
@@ -188,7 +188,7 @@ def test_the_flag_reaches_generate_and_eval(checkpoint, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "weights int8 (LM head too)" in err
-    engine = Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", quantize="int8", quantize_head=True))
+    engine = Engine.from_checkpoint(checkpoint, EngineOptions(device="cpu", dtype="float32", quantize="int8", quantize_head=True))
     ref = engine.generate(["hello world"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert out == ref.text + "\n"
     assert isinstance(engine.runner.fused.packed.head_t, object) and engine.runner.fused.quantize == "int8"

@@ -40,7 +40,7 @@ def test_engine_greedy_on_emulated_kernels_equals_torch_backend(emu_registered, 
     torch.manual_seed(2)
     model = CausalLM(ModelConfig.preset("tiny", initializer_range=0.2, eos_token_id=None, bos_token_id=None,
                                         max_position_embeddings=512)).eval()
-    opts = dict(device="cpu", page_size=page_size)
+    opts = dict(device="cpu", dtype="float32", page_size=page_size)
     if chunk:
         opts.update(max_step_tokens=chunk, max_running=4)  # chunked prefill: cached prefix + new tokens
     prompts = _prompts(page_size)
@@ -62,7 +62,7 @@ def test_prefill_logits_on_emulated_kernels_match_torch_backend(emu_registered):
     logits = {}
     for name in ("torch", "emu"):
         with attn_backend(name):
-            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4))
+            engine = Engine(model, options=EngineOptions(device="cpu", dtype="float32", page_size=4))
         reqs = [engine.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
         batch = engine.scheduler.schedule()  # deterministic: the same ragged batch for both backends
         assert len(batch.reqs) >= 2 and len(set(batch.q_lens)) > 1 and all(r in reqs for r in batch.reqs)
@@ -131,7 +131,7 @@ def test_head_dim_256_on_emulated_kernels_equals_torch_backend(emu_registered):
     outs = {}
     for name in ("torch", "emu"):
         with attn_backend(name):
-            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4))
+            engine = Engine(model, options=EngineOptions(device="cpu", dtype="float32", page_size=4))
             assert engine.backend.name == name
             outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs["emu"] == outs["torch"]
@@ -148,7 +148,7 @@ def _per_backend(model, prompts, params) -> dict:
     outs = {}
     for name in ("torch", "emu"):
         with attn_backend(name):
-            engine = Engine(model, options=EngineOptions(device="cpu", page_size=4, max_step_tokens=16, max_running=4))
+            engine = Engine(model, options=EngineOptions(device="cpu", dtype="float32", page_size=4, max_step_tokens=16, max_running=4))
             outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
     return outs
 
@@ -168,7 +168,7 @@ def test_the_kernels_take_a_models_softmax_scale(emu_registered):
     plain = CausalLM(model.config.replace(query_pre_attn_scalar=None)).eval()
     plain.load_state_dict(model.state_dict())
     with attn_backend("torch"):
-        engine = Engine(plain, options=EngineOptions(device="cpu", page_size=4))
+        engine = Engine(plain, options=EngineOptions(device="cpu", dtype="float32", page_size=4))
         assert [o.token_ids for o in engine.generate(prompts, params)] != outs["torch"]  # the scale matters here
 
 
@@ -195,11 +195,11 @@ def test_a_group_whose_block_does_not_fit_is_decided_at_engine_construction(emu_
     assert attention_shape_problem(8, 1, 256) is None and attention_shape_problem(32, 2, 256) is not None
     model = _wide_heads_model(16, 1)
     with attn_backend("emu"), pytest.raises(BackendUnavailable, match="forces attention backend 'emu'.*101120 B"):
-        Engine(model, options=EngineOptions(device="cpu"))
+        Engine(model, options=EngineOptions(device="cpu", dtype="float32"))
     # the automatic order with the (emulated) cuda kernels first: wide groups fall back, others do not
     monkeypatch.setattr(backend_mod, "BACKENDS", {"emu": "emu_backend:EmuBackend", **backend_mod.BACKENDS})
-    assert Engine(model, options=EngineOptions(device="cpu")).backend.name == "torch"
-    assert Engine(_wide_heads_model(8, 1), options=EngineOptions(device="cpu")).backend.name == "emu"
+    assert Engine(model, options=EngineOptions(device="cpu", dtype="float32")).backend.name == "torch"
+    assert Engine(_wide_heads_model(8, 1), options=EngineOptions(device="cpu", dtype="float32")).backend.name == "emu"
 
 
 def test_launch_plans_refuse_a_block_above_the_shared_memory_limit(emu):
@@ -225,4 +225,4 @@ def test_a_model_the_kernels_cannot_serve_goes_to_torch(emu_registered, monkeypa
     assert select_backend("cpu", torch.float32, odd) is TorchBackend
     with attn_backend("emu"), pytest.raises(BackendUnavailable, match="head_dim multiples of 8 up to 256, not 12"):
         select_backend("cpu", torch.float32, odd)
-    assert Engine(CausalLM(odd).eval(), options=EngineOptions(device="cpu")).backend.name == "torch"
+    assert Engine(CausalLM(odd).eval(), options=EngineOptions(device="cpu", dtype="float32")).backend.name == "torch"

@@ -112,7 +112,7 @@ def test_engine_logits_and_greedy_equal_transformers(family, chunked):
     shared = _doc(7, 19)
     prompts = [shared + _doc(8, 6), shared + _doc(9, 10)]  # the second finds the first's prefix cached
     opts = dict(page_size=4, max_step_tokens=16, max_running=4) if chunked else dict(page_size=16)
-    engine = Engine(load_model(path), options=EngineOptions(device="cpu", **opts))
+    engine = Engine(load_model(path), options=EngineOptions(device="cpu", dtype="float32", **opts))
     seen = _recording(engine)
     params = SamplingParams(max_tokens=NEW, temperature=0.0)
     outs = [engine.generate([p], params)[0] for p in prompts]  # one after the other: radix sharing
@@ -222,6 +222,6 @@ def test_astrai_generate_cli_token_ids_equal_transformers(name, tiny_tokenizer, 
                       use_cache=True)[0, len(ids):].tolist()
     out = tmp_path / "out.jsonl"
     assert main(["generate", str(tmp_path / "ckpt"), "--prompt", prompt, "--temperature", "0", "--max-tokens",
-                 str(NEW), "--ignore-eos", "--output", str(out), "--device", "cpu", "--page-size", "4"]) == 0
+                 str(NEW), "--ignore-eos", "--output", str(out), "--device", "cpu", "--dtype", "float32", "--page-size", "4"]) == 0
     (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert rec["prompt_tokens"] == len(ids) and rec["token_ids"] == ref

@@ -14,7 +14,7 @@ def test_the_converted_checkpoint_is_readable_like_any_other(smollm2):
 
 
 def test_greedy_chat_equals_transformers(smollm2):
-    from astrai.infer.engine import Engine
+    from astrai.infer.engine import Engine, EngineOptions
     from astrai.infer.request import SamplingParams
 
     chat = [{"role": "user", "content": "What is the capital of France?"}]
@@ -22,10 +22,31 @@ def test_greedy_chat_equals_transformers(smollm2):
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     enc = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     ref = hf.generate(**enc, max_new_tokens=24, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
-    (out,) = Engine.from_checkpoint(smollm2).generate([chat], SamplingParams(max_tokens=24, temperature=0))
+    engine = Engine.from_checkpoint(smollm2, EngineOptions(device="cpu", dtype="float32"))
+    (out,) = engine.generate([chat], SamplingParams(max_tokens=24, temperature=0))
     assert out.prompt_token_ids == enc["input_ids"][0].tolist()  # the template's default system prompt
     assert out.token_ids == ref[:len(out.token_ids)] and ref[len(out.token_ids) - 1] == tok.eos_token_id
     assert out.text == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_engine_answers_as_float32_does(smollm2, threads):
+    """bf16 weights with the float32 residual stream (astrai.infer.fused): the greedy answer equals float32's at
+    1 and 2 threads. With the residual in bf16, the first token of this 37-token prompt flipped at 1 thread
+    ("L'Étoile, la Marseillaise, ...")."""
+    from astrai.infer.engine import Engine, EngineOptions
+    from astrai.infer.request import SamplingParams
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        answers = [Engine.from_checkpoint(smollm2, EngineOptions(device="cpu", dtype=dt, kv_cache_tokens=1024))
+                   .generate([chat], SamplingParams(max_tokens=16, temperature=0))[0].text
+                   for dt in ("float32", "bfloat16")]
+    finally:
+        torch.set_num_threads(before)
+    assert answers == ["The capital of France is Paris."] * 2
 
 
 def _short_chats(n):
@@ -140,7 +161,7 @@ def test_eval_perplexity_equals_transformers_on_documents_alone(smollm2, tmp_pat
     assert main(["preprocess", str(tmp_path / "pipe.yaml"), "-i", str(tmp_path / "chats.jsonl"),
                  "-o", str(tmp_path / "data"), "--workers", "1"]) == 0
     assert main(["eval", str(smollm2), "--data", str(tmp_path / "data"), "--output", str(tmp_path / "eval.json"),
-                 "--samples", "0", "--device", "cpu"]) == 0
+                 "--samples", "0", "--device", "cpu", "--dtype", "float32"]) == 0
     got = json.loads((tmp_path / "eval.json").read_text())
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()

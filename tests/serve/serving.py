@@ -20,7 +20,11 @@ READY = re.compile(r"on (http://[^ ]+)/v1 ")
 class ServerProcess:
     def __init__(self, checkpoint, *args, env=None, nofile=None):
         """nofile: the server's open-file limit (ulimit -n), soft and hard."""
-        cmd = [sys.executable, "-m", "astrai.cli", "serve", str(checkpoint), "--port", "0", "--device", "cpu", *args]
+        # float32 unless a test asks otherwise: the tests' references are float32 on every machine (dtype auto
+        # would take bfloat16 on a CPU with bf16 dot products)
+        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+        cmd = [sys.executable, "-m", "astrai.cli", "serve", str(checkpoint), "--port", "0", "--device", "cpu", *dtype,
+               *args]
 
         def limit():
             import resource

@@ -13,7 +13,7 @@ from astrai.cli import main
 
 openai = pytest.importorskip("openai")
 
-ENGINE = ["--device", "cpu", "--page-size", "4", "--kv-cache-tokens", "16384"]  # as the `server` fixture
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--page-size", "4", "--kv-cache-tokens", "16384"]  # as the `server` fixture
 CHATS = [[{"role": "user", "content": "hello how are you"}],
          [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"},
           {"role": "assistant", "content": "jumps"}, {"role": "user", "content": "over the lazy dog?"}]]
@@ -142,7 +142,7 @@ def test_logprobs_equal_transformers(server, client, serve_checkpoint):
     from astrai.infer.engine import Engine, EngineOptions
     from astrai.infer.request import SamplingParams
 
-    ref = Engine.from_checkpoint(serve_checkpoint, EngineOptions(device="cpu")).generate(
+    ref = Engine.from_checkpoint(serve_checkpoint, EngineOptions(device="cpu", dtype="float32")).generate(
         CHATS[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(serve_checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -78,7 +78,7 @@ def test_chat_keeps_the_history_and_applies_the_template(serve_checkpoint, monke
     out, err = capsys.readouterr()
     assert rc == 0 and "/reset" in err and "[history cleared]" in err
     answers = out.split("\n")
-    engine = Engine.from_checkpoint(serve_checkpoint, EngineOptions(device="cpu"))
+    engine = Engine.from_checkpoint(serve_checkpoint, EngineOptions(device="cpu", dtype="float32"))
     params = SamplingParams(max_tokens=7, temperature=0)
     sys_msg = {"role": "system", "content": "be brief"}
     first = engine.generate([[sys_msg, {"role": "user", "content": "hello how are you"}]], params)[0].text

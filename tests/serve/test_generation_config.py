@@ -31,7 +31,7 @@ def gen_checkpoint(serve_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(serve_checkpoint):
-    engine = Engine.from_checkpoint(serve_checkpoint, EngineOptions(device="cpu"))  # the same weights, no gen config
+    engine = Engine.from_checkpoint(serve_checkpoint, EngineOptions(device="cpu", dtype="float32"))  # the same weights, no gen config
 
     def ref(prompt, **params):
         return engine.generate([prompt], SamplingParams(**params))[0].text

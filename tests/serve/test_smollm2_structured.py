@@ -62,7 +62,7 @@ def test_engine_tokens_pass_llguidance_and_neighbours_are_untouched(smollm2):
     from astrai.infer.engine import Engine
     from astrai.infer.grammar import json_grammar, validate as ll_validate
 
-    engine = Engine.from_checkpoint(smollm2, EngineOptions(device="cpu", kv_cache_tokens=4096))
+    engine = Engine.from_checkpoint(smollm2, EngineOptions(device="cpu", dtype="float32", kv_cache_tokens=4096))
     g = json_grammar(SCHEMA)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     plain = [[{"role": "user", "content": "What is the capital of France?"}], ASK]

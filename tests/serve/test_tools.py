@@ -173,7 +173,7 @@ def test_a_tool_conversation_renders_the_same_in_preprocessing_and_serving(serve
         {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}]},
                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     req = parse(ChatRequest, json.dumps({"messages": sent, "tools": TOOLS}).encode())
-    engine = Engine.from_checkpoint(serve_checkpoint, EngineOptions(device="cpu", chat_template="qwen",
+    engine = Engine.from_checkpoint(serve_checkpoint, EngineOptions(device="cpu", dtype="float32", chat_template="qwen",
                                                                      kv_cache_tokens=1024))
     assert engine.encode(arguments_as_objects(req.conversation()), TOOLS) == trained_prefix
     r = qclient.chat.completions.create(model=str(serve_checkpoint), messages=sent, tools=TOOLS, max_tokens=1)
