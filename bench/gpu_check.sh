@@ -6,7 +6,7 @@
 # 1. which python has CUDA torch + CuPy (override with PYTHON=...), nvidia-smi, versions;
 # 2. the compile tier and every `gpu`-marked kernel/engine test (same shapes as the CPU emulation,
 #    NaN-poisoned outputs, float32 references; engine greedy cuda == torch);
-# 3. bench/kernels.py --quick: paged-decode bandwidth vs a d2d copy in the same run, rotary throughput.
+# 3. bench/kernel_bandwidth.py --quick: paged-decode bandwidth vs a d2d copy in the same run, rotary throughput.
 # Budget: a few minutes on an H100/H200 (first call compiles each kernel once through NVRTC).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,6 @@ status=0
 timeout 300 "$PY" -m pytest tests/kernels/test_compile.py tests/kernels/test_attention_kernels.py \
   tests/kernels/test_elementwise_kernels.py tests/kernels/test_engine_backends.py -m gpu -q -rs -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu_tests.txt" || status=1  # pipefail: pytest's status, not tee's
-timeout 240 "$PY" bench/kernels.py --quick --json "$OUT/kernels.jsonl" 2>&1 | tee "$OUT/bench.txt" || status=1
+timeout 240 "$PY" bench/kernel_bandwidth.py --quick --json "$OUT/kernels.jsonl" 2>&1 | tee "$OUT/bench.txt" || status=1
 echo "gpu_check exit status $status" | tee -a "$OUT/bench.txt"
 exit $status

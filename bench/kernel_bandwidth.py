@@ -1,6 +1,6 @@
 """GPU benchmark of the astrai kernels against a device-to-device copy measured in the same run.
 
-    python bench/kernels.py [--dtype float16] [--quick] [--json out.jsonl]
+    python bench/kernel_bandwidth.py [--dtype float16] [--quick] [--json out.jsonl]
 
 Paged decode is memory-bound: its ceiling is the card's memory bandwidth. The figure of merit is
 achieved bandwidth = bytes of K/V read / kernel time, reported as a fraction of the bandwidth of a
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="append JSON lines here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA device", file=sys.stderr)
+        print("bench/kernel_bandwidth.py needs a CUDA device", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     ex = CupyExecutor(torch.device("cuda"))
