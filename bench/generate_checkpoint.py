@@ -94,7 +94,7 @@ def matmul_seconds(weights: list[torch.Tensor], rows: int, cache: dict) -> float
     """Seconds of the faster of F.linear and the engine's split product over every weight at `rows` input
     rows (best of 3 each), cached by rows."""
     if rows not in cache:
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
         copies = [w.detach().t().contiguous() for w in weights]
         parts = split_parts(xs[weights[0].shape[1]])
         products = (lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
