@@ -21,7 +21,7 @@ def reference(checkpoint, prompts, params):
 
 def test_prompt_streams_the_continuation(checkpoint, capsys):
     rc = main(["generate", str(checkpoint), "--prompt", "hello world", "--max-tokens", "7", "--temperature", "0",
-               "--ignore-eos", "--device", "cpu"])
+               "--ignore-eos", "--device", "cpu", "--dtype", "float32"])
     out, err = capsys.readouterr()
     assert rc == 0
     ref = reference(checkpoint, "hello world", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
@@ -35,7 +35,7 @@ def test_prompt_says_which_token_stopped_it(checkpoint, capsys):
     ref = reference(checkpoint, "hello world", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     stop = ref.token_ids[1]
     rc = main(["generate", str(checkpoint), "--prompt", "hello world", "--max-tokens", "3", "--temperature", "0",
-               "--ignore-eos", "--stop-token-ids", str(stop), "--device", "cpu"])
+               "--ignore-eos", "--stop-token-ids", str(stop), "--device", "cpu", "--dtype", "float32"])
     err = capsys.readouterr().err
     assert rc == 0 and f"finished after 2 token(s): stop token {stop} (" in err
 
@@ -47,7 +47,7 @@ def test_chat_and_input_jsonl(checkpoint, tmp_path, capsys):
     chats.write_text("".join(json.dumps(c) + "\n" for c in convs))
     out_file = tmp_path / "out.jsonl"
     rc = main(["generate", str(checkpoint), "--chat", str(chats), "--output", str(out_file), "--max-tokens", "6",
-               "--seed", "3", "--ignore-eos", "--set", "engine.page_size=4", "--device", "cpu"])
+               "--seed", "3", "--ignore-eos", "--set", "engine.page_size=4", "--device", "cpu", "--dtype", "float32"])
     assert rc == 0
     recs = [json.loads(line) for line in out_file.read_text().splitlines()]
     params = SamplingParams(max_tokens=6, seed=3, ignore_eos=True)
@@ -59,7 +59,7 @@ def test_chat_and_input_jsonl(checkpoint, tmp_path, capsys):
     batch.write_text(json.dumps({"prompt": "hello", "sampling": {"max_tokens": 2}}) + "\n"
                      + json.dumps({"messages": convs[0]}) + "\n")
     rc = main(["generate", str(checkpoint), "--input", str(batch), "--max-tokens", "5", "--temperature", "0",
-               "--ignore-eos", "--device", "cpu"])
+               "--ignore-eos", "--device", "cpu", "--dtype", "float32"])
     out, _ = capsys.readouterr()
     recs = [json.loads(line) for line in out.splitlines()]
     assert rc == 0 and [len(r["token_ids"]) for r in recs] == [2, 5] and recs[0]["prompt"] == "hello"
@@ -118,12 +118,12 @@ def test_generation_config_is_honoured_and_flags_win(checkpoint, tmp_path, capsy
     (ckpt / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 5, "eos_token_id": 7}))
     greedy = reference(checkpoint, "hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert main(["generate", str(ckpt), "--prompt", "hello", "--max-tokens", "5", "--ignore-eos", "--json",
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu", "--dtype", "float32"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == greedy.token_ids  # do_sample: false = greedy
     sampled = reference(checkpoint, "hello", SamplingParams(max_tokens=5, temperature=1.5, top_k=5, seed=4,
                                                             ignore_eos=True))[0]
     assert main(["generate", str(ckpt), "--prompt", "hello", "--max-tokens", "5", "--ignore-eos", "--json",
-                 "--temperature", "1.5", "--seed", "4", "--device", "cpu"]) == 0
+                 "--temperature", "1.5", "--seed", "4", "--device", "cpu", "--dtype", "float32"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == sampled.token_ids  # the flag wins, top_k stays
     assert sampled.token_ids != greedy.token_ids
 
@@ -157,7 +157,7 @@ def test_output_is_checked_before_the_model_loads_and_written_as_requests_finish
 
     monkeypatch.setattr(Engine, "step", step)
     rc = main(["generate", str(checkpoint), "--input", str(batch), "--output", str(out_file), "--ignore-eos",
-               "--device", "cpu"])
+               "--device", "cpu", "--dtype", "float32"])
     err = capsys.readouterr().err
     recs = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert rc == 130 and [r["index"] for r in recs] == [1] and len(recs[0]["token_ids"]) == 1
