@@ -147,8 +147,11 @@ def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = No
         return out
     import fcntl
 
+    from astrai.runtime import open_fd_nofollow
+
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{out.name}.lock", "w") as lock:
+    # never through a link, never truncated: the lock is only its descriptor
+    with os.fdopen(open_fd_nofollow(root / f".{out.name}.lock", os.O_WRONLY | os.O_CREAT), "wb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter; the others find its result
         if not _is_current(out, stamp):
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}-"))

@@ -215,7 +215,7 @@ class Int4Linear(QuantizedLinear):
         super().__init__(linear)
         _, tu = _torchao()
         w = linear.weight.detach()
-        _check_divides(name, w.shape[1], group_size, "int4 group")
+        _check_shape(name, tuple(w.shape), "int4", group_size)
         self.group_size = group_size
         codes, scales_zeros = tu.groupwise_affine_quantize_tensor(w.float().cpu(), 4, group_size, torch.float32)
         self.register_buffer("codes", torch._convert_weight_to_int4pack_for_cpu(codes, 1).to(w.device))
@@ -241,6 +241,21 @@ def _check_divides(name: str, size: int, unit: int, what: str):
     if size % unit:
         raise QuantError(f"{name}: input dimension {size} is not a multiple of the {what} size {unit}, so this "
                          f"layer cannot be quantized so")
+
+
+# torch's CPU int4 packing (_convert_weight_to_int4pack_for_cpu) takes output sizes in tiles of 16 rows
+INT4_OUT_TILE = 16
+
+
+def _check_shape(name: str, shape: tuple, kind: str, group_size: int = INT4_GROUP):
+    """Refuse (QuantError naming `name`) an [out, in] weight `kind` cannot hold: an input size that does not
+    divide the nf4 block or int4 group, an int4 output size that is not a multiple of INT4_OUT_TILE."""
+    unit = {"nf4": (NF4_BLOCK, "nf4 block"), "int4": (group_size, "int4 group")}.get(kind)
+    if unit:
+        _check_divides(name, shape[1], *unit)
+    if kind == "int4" and shape[0] % INT4_OUT_TILE:
+        raise QuantError(f"{name}: output dimension {shape[0]} is not a multiple of {INT4_OUT_TILE} (torch's int4 "
+                         f"packing on the CPU), so this layer cannot be quantized to int4; int8 can")
 
 
 def quantize_linear(linear: nn.Linear, kind: str, name: str = "linear", group_size: int = INT4_GROUP) \
@@ -277,13 +292,12 @@ def bytes_per_weight(kind: str, item: int) -> float:
 
 def check_quantizable(shapes: dict[str, tuple], kind: str, group_size: int = INT4_GROUP):
     """Refuse, naming the first, a [out, in] weight (name -> shape) whose input size does not divide the
-    block (nf4) or group (int4) size: checked on shapes alone, before any tensor is read."""
+    block (nf4) or group (int4) size, or whose output size int4 cannot pack (`_check_shape`): checked on
+    shapes alone, before any tensor is read."""
     if kind not in KINDS:
         raise QuantError(f"unknown quantization {kind!r}; choose one of {', '.join(KINDS)}")
-    unit = {"nf4": (NF4_BLOCK, "nf4 block"), "int4": (group_size, "int4 group")}.get(kind)
     for name, shape in shapes.items():
-        if unit:
-            _check_divides(name.removesuffix(".weight"), shape[1], *unit)
+        _check_shape(name.removesuffix(".weight"), tuple(shape), kind, group_size)
 
 
 def quantize_layers(model: nn.Module, kind: str, names: tuple[str, ...], group_size: int = INT4_GROUP,
@@ -295,10 +309,8 @@ def quantize_layers(model: nn.Module, kind: str, names: tuple[str, ...], group_s
     found = [(".".join(p for p in (prefix, n, child_name) if p), parent, child_name, child)
              for n, parent in root.named_modules() for child_name, child in parent.named_children()
              if child_name in names and isinstance(child, nn.Linear)]
-    unit = {"nf4": (NF4_BLOCK, "nf4 block"), "int4": (group_size, "int4 group")}.get(kind)
     for full, _, _, child in found:
-        if unit:
-            _check_divides(full, child.in_features, *unit)
+        _check_shape(full, (child.out_features, child.in_features), kind, group_size)
     for full, parent, child_name, child in found:
         setattr(parent, child_name, quantize_linear(child, kind, full, group_size))
     return [f[0] for f in found]

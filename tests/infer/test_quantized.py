@@ -93,6 +93,21 @@ def test_a_dimension_not_divisible_by_the_group_is_refused_naming_tensor_and_siz
            "int4 group size 32" in err and "Traceback" not in err
 
 
+def test_an_int4_output_size_torch_cannot_pack_is_refused_naming_tensor_and_size(tmp_path, capsys):
+    """torch's CPU int4 packing takes output sizes in tiles of 16: a vocabulary of 32001-style sizes under
+    --quantize-head is refused in one line (int8 takes it)."""
+    with pytest.raises(QuantError, match=r"^w: output dimension 50 is not a multiple of 16"):
+        quantize_weight([(_weight(50, 64), None)], "int4", "w")
+    assert quantize_weight([(_weight(50, 64), None)], "int8", "w") is not None
+    odd = ModelConfig.preset("tiny", vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2)
+    save_model(CausalLM(odd), tmp_path / "ckpt")
+    rc = main(["generate", str(tmp_path / "ckpt"), "--prompt", "hi", "--quantize", "int4", "--quantize-head",
+               "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "output dimension 97 is not a multiple of 16" in err and "Traceback" not in err, err
+
+
 def test_what_quantized_weights_cannot_run_on_is_refused():
     with pytest.raises(ValueError, match="quantized weights multiply float32 activations; use dtype float32"):
         EngineOptions(quantize="int8", dtype="bfloat16")

@@ -7,6 +7,8 @@ the file and the key or tensor; the packaged SmolLM2 Q4_1 file passes the same c
 
 import json
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -117,6 +119,25 @@ def test_an_f32_file_converts_to_the_exact_weights_with_its_tokenizer_and_templa
     assert (out / "chat_template.jinja").read_text() == CHATML or \
         json.loads((out / "tokenizer_config.json").read_text()).get("chat_template") == CHATML
     assert packaged_checkpoint(str(path)) == out  # converted once
+
+
+def test_the_conversion_lock_is_never_opened_through_a_link(tiny, tiny_tokenizer, tmp_path, cache):
+    """The lock file beside a conversion: a link planted in its place is refused by name and what it points at is
+    neither truncated nor written (the lock used to be opened with open(path, "w"))."""
+    from astrai.runtime import LinkRefused
+
+    path = write_gguf(tmp_path / "tiny.F32.gguf", tiny, tiny_tokenizer)
+    out = packaged_checkpoint(str(path))
+    lock = out.parent / f".{out.name}.lock"
+    assert lock.is_file() and not lock.is_symlink()
+    shutil.rmtree(out)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    lock.unlink()
+    lock.symlink_to(victim)
+    with pytest.raises(LinkRefused, match=re.escape(str(lock))):
+        packaged_checkpoint(str(path))
+    assert victim.read_text() == "keep me" and not out.exists()
 
 
 def test_quantized_tensors_dequantize_as_gguf_does(tiny, tiny_tokenizer, tmp_path):
