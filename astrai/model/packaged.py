@@ -154,6 +154,7 @@ def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = No
     with os.fdopen(open_fd_nofollow(root / f".{out.name}.lock", os.O_WRONLY | os.O_CREAT), "wb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter; the others find its result
         if not _is_current(out, stamp):
+            _drop_stale(root, out, stamp)
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}-"))
             try:
                 os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache is read like any checkpoint
@@ -167,6 +168,28 @@ def packaged_checkpoint(spec: str, cache: Optional[Union[str, os.PathLike]] = No
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _drop_stale(root: Path, out: Path, stamp: dict) -> None:
+    """Under the conversion's lock, before converting: the temporary directories of a converter of `out` that
+    was killed before cleaning up (SIGKILL, the OOM killer), and for a .gguf file the conversions of earlier
+    versions of the same file (same path, other size or mtime), which nothing reads again: each is a
+    float32 copy of the model. Only directories astrai made here, never through a link."""
+    import re
+
+    mine = re.compile(re.escape(f".{out.name}-") + r"[a-z0-9_]{8}")
+    for d in root.iterdir():
+        if d == out or d.is_symlink() or not d.is_dir():
+            continue
+        stale = bool(mine.fullmatch(d.name))
+        if not stale and "path" in stamp and d.name.startswith("gguf-"):
+            try:
+                old = json.loads((d / SOURCE).read_text())
+            except (OSError, ValueError):
+                continue
+            stale = isinstance(old, dict) and old.get("path") == stamp["path"] and old != stamp
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def checkpoint_path(spec: Union[str, os.PathLike]) -> Path:

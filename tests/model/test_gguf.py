@@ -140,6 +140,29 @@ def test_the_conversion_lock_is_never_opened_through_a_link(tiny, tiny_tokenizer
     assert victim.read_text() == "keep me" and not out.exists()
 
 
+def test_a_changed_file_replaces_its_old_conversion_and_a_killed_converters_leftovers_go(tiny, tiny_tokenizer,
+                                                                                          tmp_path, cache):
+    """A new version of the same .gguf (another mtime) converts anew and its old float32 copy is removed; a
+    temporary directory a killed converter left is removed; another file's conversion and anything that is not a
+    conversion are kept."""
+    path = write_gguf(tmp_path / "tiny.F32.gguf", tiny, tiny_tokenizer)
+    (tmp_path / "other").mkdir()
+    other = packaged_checkpoint(str(write_gguf(tmp_path / "other" / "tiny.F32.gguf", tiny, tiny_tokenizer)))
+    out = packaged_checkpoint(str(path))
+    left = out.parent / f".{out.name}-ab12cd_9"  # what tempfile.mkdtemp names a converter's directory
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"half")
+    shutil.rmtree(out)  # as if the converter had been killed before its result was in place
+    assert packaged_checkpoint(str(path)) == out and out.exists() and not left.exists()
+    mine = out.parent / "my-notes"
+    mine.mkdir()
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+    new = packaged_checkpoint(str(path))
+    assert new != out and new.exists() and not out.exists()
+    assert other.exists() and mine.exists()
+
+
 def test_quantized_tensors_dequantize_as_gguf_does(tiny, tiny_tokenizer, tmp_path):
     types = {"token_embd.weight": Q.F16, "output.weight": Q.Q4_1}
     for i in range(2):
