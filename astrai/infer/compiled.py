@@ -118,7 +118,7 @@ class CompiledDecode:
             x, h = out
             y = experts_forward(h, w.experts, f.act)
             x = x + (y if w.ffn_out_norm is None else f.norm(y, w.ffn_out_norm))
-        return f._in(f.norm(x, f.packed.norm))
+        return f.to_weight_dtype(f.norm(x, f.packed.norm))
 
     @torch.inference_mode()
     def warm_up(self) -> None:

@@ -69,7 +69,6 @@ class FusedModel:
         # int8 | int4: the projections (and the LM head with quantize_head) as astrai.infer.quantized weights,
         # multiplied at every row count by their own product (no `own` path)
         self.quantize, self.quantize_head = quantize, quantize_head
-        self.stream: Optional[torch.dtype] = None  # float32 under 16-bit weights on a CPU (module docstring)
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -78,7 +77,8 @@ class FusedModel:
         self.layers: list[Layer] = self.packed.layers
         self.wdtype = self.packed.embed.dtype
         half = self.wdtype in (torch.bfloat16, torch.float16) and self.packed.embed.device.type == "cpu"
-        self.stream = torch.float32 if half else None
+        # the residual stream's dtype: float32 under 16-bit weights on a CPU (module docstring), else the weights'
+        self.stream: Optional[torch.dtype] = torch.float32 if half else None
         self.builds += 1
 
     def release(self) -> None:
@@ -94,7 +94,7 @@ class FusedModel:
         x = x if scale is None else x * scale
         return x if self.stream is None else x.to(self.stream)
 
-    def _in(self, h: torch.Tensor) -> torch.Tensor:
+    def to_weight_dtype(self, h: torch.Tensor) -> torch.Tensor:
         """A projection's input in the weights' dtype (a no-op unless the stream is float32)."""
         return h if self.stream is None else h.to(self.wdtype)
 
@@ -104,7 +104,7 @@ class FusedModel:
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, position_ids, ctx, static)
-        return self._in(self.norm(x, self.packed.norm))
+        return self.to_weight_dtype(self.norm(x, self.packed.norm))
 
     __call__ = forward
 
@@ -117,10 +117,10 @@ class FusedModel:
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         lora = self.lora  # LoRA adapters' terms, added to each projection group's output
-        parts = split_parts(x, self.threads) if self.wdtype == torch.float32 else 1
+        h = self.to_weight_dtype(self.norm(x, w.attn_norm))
+        parts = split_parts(h, self.threads)  # h: in the weights' dtype, which decides
         # the model's own weights, one matmul per projection (unless the products are split)
         own = parts == 1 and self.own_rows[0] <= t <= self.own_rows[1] and self.quantize is None
-        h = self._in(self.norm(x, w.attn_norm))
         if own:
             qkv = torch.cat([F.linear(h, *w.own[n]) for n in ("q", "k", "v")], 1)
         else:
@@ -139,7 +139,7 @@ class FusedModel:
         o = ctx.attend(i, q, k, qkv[:, hq + hkv:], window=w.window, scale=self.scale).reshape(t, hq * d)
         x = self._residual(x, o, w.own["o"][0].t() if own else w.o_t, w.o_b, w.attn_out_norm,
                            lora and lora[0].delta(i, "o", o, lora[1]), parts)
-        h = self._in(self.norm(x, w.ffn_norm))
+        h = self.to_weight_dtype(self.norm(x, w.ffn_norm))
         if w.experts is not None:
             y = experts_forward(h, w.experts, self.act, static)
             return x + (y if w.ffn_out_norm is None else self.norm(y, w.ffn_out_norm))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from functools import lru_cache
@@ -175,8 +176,6 @@ def _drop_stale(root: Path, out: Path, stamp: dict) -> None:
     was killed before cleaning up (SIGKILL, the OOM killer), and for a .gguf file the conversions of earlier
     versions of the same file (same path, other size or mtime), which nothing reads again: each is a
     float32 copy of the model. Only directories astrai made here, never through a link."""
-    import re
-
     mine = re.compile(re.escape(f".{out.name}-") + r"[a-z0-9_]{8}")
     for d in root.iterdir():
         if d == out or d.is_symlink() or not d.is_dir():

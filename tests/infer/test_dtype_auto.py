@@ -58,7 +58,7 @@ def test_a_bf16_engine_computes_in_bf16_and_follows_fp32_greedy(monkeypatch):
         assert x[0] == y[0], (x, y)
 
 
-def test_bf16_weights_keep_a_float32_residual_stream_on_the_cpu(tmp_path):
+def test_bf16_weights_keep_a_float32_residual_stream_on_the_cpu(monkeypatch):
     """Every layer's input and output (the residual) is float32 under bf16 weights on the CPU, while the
     weights, K/V and the returned hidden state are bf16; the greedy token and its log-prob follow float32's
     (the real model's case, where a bf16 residual flipped an answer: tests/model/test_real_model.py)."""
@@ -83,11 +83,10 @@ def test_bf16_weights_keep_a_float32_residual_stream_on_the_cpu(tmp_path):
 
     prompt = [3, 5, 9, 13, 2, 3, 40, 41]
     p = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True)
-    FusedModel._layer, FusedModel.__call__ = spy_layer, spy_forward
-    try:
-        got = eng.generate([prompt], p)[0]
-    finally:
-        FusedModel._layer, FusedModel.__call__ = layer, forward
+    monkeypatch.setattr(FusedModel, "_layer", spy_layer)
+    monkeypatch.setattr(FusedModel, "__call__", spy_forward)
+    got = eng.generate([prompt], p)[0]
+    monkeypatch.undo()
     layers = [d for d in seen if d[0] != "hidden"]
     assert len(layers) == 2 * 4 and all(d == (torch.float32, torch.float32) for d in layers), seen
     assert [d for d in seen if d[0] == "hidden"] == [("hidden", torch.bfloat16)] * 4
