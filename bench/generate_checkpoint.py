@@ -111,12 +111,15 @@ def matmul_seconds(weights: list[torch.Tensor], rows: int, cache: dict) -> float
 
 
 def matmul_times(model, prompts: list[list[int]], hf_rows: list[list[int]], astrai_rows: list[list[int]]):
-    """(transformers' matmul time, astrai's) in seconds for the 16-chat scenarios (see the module doc)."""
+    """(transformers' matmul time, astrai's) in seconds for the 16-chat scenarios (see the module doc):
+    transformers' in float32 (it runs so here), astrai's in the engine's dtype."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     cache: dict = {}
+    hf_weights = weights if weights[0].dtype == torch.float32 else [w.float() for w in weights]
+    hf_cache: dict = cache if hf_weights is weights else {}
     hf_steps = max(map(len, hf_rows)) - 1
-    hf = matmul_seconds(weights, len(prompts) * max(map(len, prompts)), cache) + \
-        hf_steps * matmul_seconds(weights, len(prompts), cache)
+    hf = matmul_seconds(hf_weights, len(prompts) * max(map(len, prompts)), hf_cache) + \
+        hf_steps * matmul_seconds(hf_weights, len(prompts), hf_cache)
     ours = matmul_seconds(weights, sum(map(len, prompts)), cache)
     for step in range(1, max(map(len, astrai_rows))):
         ours += matmul_seconds(weights, sum(len(r) > step for r in astrai_rows), cache)
