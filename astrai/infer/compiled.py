@@ -35,12 +35,15 @@ from astrai.infer.backend import AttentionMeta
 from astrai.infer.backends.torch_native import decode_kv_slots
 from astrai.infer.cache import pages_for
 from astrai.infer.fused import FusedModel, experts_forward, rms_norm
+from astrai.infer.native import GEMV_ROWS, RowsWeight
 from astrai.model.layers import activation
 
 
-def decode_layer_fn(hq: int, hkv: int, d: int, eps: float, offset: bool, act: str, scale):
+def decode_layer_fn(hq: int, hkv: int, d: int, eps: float, offset: bool, act: str, scale, kernels=None):
     """The decode layer as a pure function of tensors (what torch.compile traces). A None weight is a
-    part the family lacks; gu_t None: a sparse layer, which returns (x, its MoE input)."""
+    part the family lacks; gu_t None: a sparse layer, which returns (x, its MoE input). `kernels` (an
+    astrai.infer.native.Kernels): the weights are RowsWeight's [out, in] tensors, multiplied by its
+    bf16 operator inside the graph; else [in, out] tensors multiplied by `@`."""
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
     act_fn = activation(act)
@@ -48,10 +51,13 @@ def decode_layer_fn(hq: int, hkv: int, d: int, eps: float, offset: bool, act: st
     def norm(x, w):
         return rms_norm(x, w, eps, offset)
 
+    def mm(a, w):
+        return a @ w if kernels is None else torch.ops.astrai.gemv_bf16(a, w, kernels.bf16_isa, GEMV_ROWS)
+
     def layer(x, attn_norm, qkv_t, qkv_b, qk_norm, o_t, o_b, attn_out_norm, ffn_norm, gu_t, gu_b, down_t, down_b,
               ffn_out_norm, cos, sin, k_cache, v_cache, write_slots, kv_slots, kv_bias):
         b, wd = x.shape[0], qkv_t.dtype  # x: float32 under 16-bit weights (fused's stream); casts else no-ops
-        qkv = norm(x, attn_norm).to(wd) @ qkv_t
+        qkv = mm(norm(x, attn_norm).to(wd), qkv_t)
         if qkv_b is not None:
             qkv = qkv + qkv_b
         qkv = qkv.view(b, hq + 2 * hkv, d)
@@ -66,18 +72,18 @@ def decode_layer_fn(hq: int, hkv: int, d: int, eps: float, offset: bool, act: st
         values = v_cache[kv_slots]
         scores = (q.reshape(b, 1, hkv, group, d) * keys[:, :, :, None, :]).sum(-1) * scale  # [B, L, Hkv, G]
         p = torch.softmax(scores + kv_bias[:, :, None, None], dim=1)
-        a = (p[..., None] * values[:, :, :, None, :]).sum(1).reshape(b, hq * d).to(wd) @ o_t
+        a = mm((p[..., None] * values[:, :, :, None, :]).sum(1).reshape(b, hq * d).to(wd), o_t)
         if o_b is not None:
             a = a + o_b
         x = x + (a if attn_out_norm is None else norm(a, attn_out_norm))
         h = norm(x, ffn_norm).to(wd)
         if gu_t is None:
             return x, h
-        gu = h @ gu_t
+        gu = mm(h, gu_t)
         if gu_b is not None:
             gu = gu + gu_b
         inter = gu.shape[-1] // 2
-        y = (act_fn(gu[:, :inter]) * gu[:, inter:]) @ down_t
+        y = mm(act_fn(gu[:, :inter]) * gu[:, inter:], down_t)
         if down_b is not None:
             y = y + down_b
         return x + (y if ffn_out_norm is None else norm(y, ffn_out_norm))
@@ -89,6 +95,11 @@ def decode_layer_fn(hq: int, hkv: int, d: int, eps: float, offset: bool, act: st
                               layer.__closure__)
 
 
+def _t(w):
+    """A packed weight as the tensor the compiled layer multiplies by (a RowsWeight's [out, in] one)."""
+    return w.w if isinstance(w, RowsWeight) else w
+
+
 class CompiledDecode:
     def __init__(self, fused: FusedModel, backend, context, scratch_page: int, page_size: int):
         """`context(backend, meta, write_slots, decode=True)` makes a step's attention context (the
@@ -96,7 +107,9 @@ class CompiledDecode:
         self.fused, self.backend, self._ctx_cls = fused, backend, context
         self.k_cache, self.v_cache = backend.k_cache, backend.v_cache
         self.scratch_page, self.page_size = scratch_page, page_size
-        fn = decode_layer_fn(fused.hq, fused.hkv, fused.d, fused.eps, fused.offset, fused.act_name, fused.scale)
+        first = fused.layers[0].qkv_t
+        fn = decode_layer_fn(fused.hq, fused.hkv, fused.d, fused.eps, fused.offset, fused.act_name, fused.scale,
+                             first.kernels if isinstance(first, RowsWeight) else None)
         self.layer = torch.compile(fn, dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
@@ -109,8 +122,8 @@ class CompiledDecode:
                 slots, valid = decode_kv_slots(ctx.meta, w.window)
                 kv[w.window] = (slots, torch.zeros(valid.shape, dtype=x.dtype).masked_fill_(~valid, float("-inf")))
             cos, sin = ctx.rope_tables(position_ids, w.rope)
-            out = self.layer(x, w.attn_norm, w.qkv_t, w.qkv_b, w.qk_norm, w.o_t, w.o_b, w.attn_out_norm, w.ffn_norm,
-                             w.gate_up_t, w.gate_up_b, w.down_t, w.down_b, w.ffn_out_norm, cos, sin,
+            out = self.layer(x, w.attn_norm, _t(w.qkv_t), w.qkv_b, w.qk_norm, _t(w.o_t), w.o_b, w.attn_out_norm,
+                             w.ffn_norm, _t(w.gate_up_t), w.gate_up_b, _t(w.down_t), w.down_b, w.ffn_out_norm, cos, sin,
                              self.k_cache[i], self.v_cache[i], ctx.slots, *kv[w.window])
             if w.experts is None:
                 x = out

@@ -120,7 +120,7 @@ class FusedModel:
         h = self.to_weight_dtype(self.norm(x, w.attn_norm))
         parts = split_parts(h, self.threads)  # h: in the weights' dtype, which decides
         # the model's own weights, one matmul per projection (unless the products are split)
-        own = parts == 1 and self.own_rows[0] <= t <= self.own_rows[1] and self.quantize is None
+        own = parts == 1 and self.own_rows[0] <= t <= self.own_rows[1] and isinstance(w.qkv_t, torch.Tensor)
         if own:
             qkv = torch.cat([F.linear(h, *w.own[n]) for n in ("q", "k", "v")], 1)
         else:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from astrai.cache import cache_root
 from astrai.errors import InputError
@@ -48,10 +49,22 @@ class Kernels:
     name: str  # what the machine runs, for logs and benchmarks
 
     def gemv_bf16(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.astrai.gemv_bf16(x.contiguous(), w, self.bf16_isa)
+        """x @ w^T; steps of more than GEMV_ROWS rows go to torch's product (inside the operator, so a
+        compiled graph needs no branch of its own)."""
+        return torch.ops.astrai.gemv_bf16(x.contiguous(), w, self.bf16_isa, GEMV_ROWS)
 
     def gemv_int8(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return torch.ops.astrai.gemv_int8(x.contiguous(), w, scales, self.int8_isa)
+
+    @property
+    def int4(self) -> bool:
+        """Whether `gemv_int4` runs here (it needs AVX-512F)."""
+        return self.int8_isa == ISA_AVX512_BF16
+
+    def gemv_int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) \
+            -> torch.Tensor:
+        """x [M, K] float32 @ W^T for W = scales * q + offsets by groups of 32 input columns (`int4_layout`)."""
+        return torch.ops.astrai.gemv_int4(x.contiguous(), codes, scales, offsets)
 
 
 _STATE: dict = {}  # "kernels": the Kernels or None once decided in this process
@@ -116,3 +129,71 @@ def _build() -> None:
         raise OSError(f"{where} is not a directory astrai made")
     load(name="astrai_cpu_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], build_directory=str(where),
          is_python_module=False, verbose=False)
+
+    # shapes for torch.compile's tracing (the compiled decode calls the operators inside its graph)
+    @torch.library.register_fake("astrai::gemv_bf16")
+    def _(x, w, isa, max_rows):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("astrai::gemv_int4")
+    def _(x, codes, scales, offsets):
+        return x.new_empty((x.shape[0], codes.shape[0]))
+
+    @torch.library.register_fake("astrai::gemv_int8")
+    def _(x, w, scales, isa):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+
+class RowsWeight:
+    """A packed projection held [out, in] (the layout the kernels stream; for a single projection the
+    model's own weight, no copy), multiplied as `product(a, bias)` = a @ W^T (+ bias): by `gemv_bf16` for
+    steps of up to GEMV_ROWS rows, by torch (oneDNN) for larger ones. `t` is the [in, out] view, for
+    callers that multiply by themselves (the compiled decode)."""
+
+    def __init__(self, w: torch.Tensor, k: Kernels):
+        self.w, self.kernels = w, k
+        self.shape = (w.shape[1], w.shape[0])
+
+    @property
+    def t(self) -> torch.Tensor:
+        return self.w.t()
+
+    def product(self, a: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if a.dtype == self.w.dtype == torch.bfloat16:
+            y = self.kernels.gemv_bf16(a, self.w)
+        else:
+            y = F.linear(a, self.w)
+        return y if bias is None else y.add_(bias)
+
+
+def rows_weight(ws: list[torch.Tensor], into: Optional[RowsWeight] = None) -> Optional[RowsWeight]:
+    """The [out, in] weights `ws` concatenated along out as a RowsWeight (written into `into` when it fits),
+    or None unless they are bfloat16 on a CPU whose kernels are built (`kernels()`)."""
+    if ws[0].device.type != "cpu" or ws[0].dtype != torch.bfloat16:
+        return None
+    k = kernels()
+    if k is None:
+        return None
+    if len(ws) == 1 and ws[0].is_contiguous():
+        return RowsWeight(ws[0], k)
+    shape = (sum(w.shape[0] for w in ws), ws[0].shape[1])
+    if isinstance(into, RowsWeight) and tuple(into.w.shape) == shape and into.w.dtype == ws[0].dtype:
+        with torch.inference_mode():  # `into` may have been made under it
+            return RowsWeight(torch.cat(ws, out=into.w), k)
+    return RowsWeight(torch.cat(ws).contiguous(), k)
+
+
+def int4_layout(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 [N, K / 2], scales [N, G], offsets [N, G]) of w [N, K] quantized as astrai.model.quant's
+    int4 (torchao's `groupwise_affine_quantize_tensor`, asymmetric, groups of `group` = 32 columns): the
+    same 4-bit codes q and the same dequantized values w = scale * (q - 8) + zero = scale * q + offset,
+    each group's byte j holding q[j] (low nibble) and q[j + 16] (high), for `gemv_int4`."""
+    from astrai.model.quant import _torchao
+
+    _, tu = _torchao()
+    n, k = w.shape
+    q, scales_zeros = tu.groupwise_affine_quantize_tensor(w.float().cpu(), 4, group, torch.float32)
+    q = q.to(torch.uint8).view(n, k // group, 2, group // 2)
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    scale, zero = scales_zeros[..., 0].t().contiguous(), scales_zeros[..., 1].t().contiguous()  # [N, G]
+    return codes, scale, (zero - 8 * scale).contiguous()

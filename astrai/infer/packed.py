@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from astrai.model.layers import MLP, Expert, RMSNorm, SparseMoE, at_least_float32, embed_scale
+from astrai.infer.native import rows_weight
 from astrai.model.lora import LoraLinear, merge_weight
 from astrai.model.rope import Rotary
 
@@ -180,7 +181,10 @@ def _projection(parts, into, quantize: Optional[str], name: str):
     """(weight, bias) of a packed projection: the input-major copy, or a QuantizedWeight of `quantize`
     (astrai.infer.quantized) with the same concatenated biases."""
     if quantize is None:
-        return _input_major(*parts, into=into)
+        rows = rows_weight([p[0] for p in parts], into)
+        if rows is not None:  # bf16 on a CPU with astrai's kernels: [out, in], see astrai.infer.native
+            return rows, _biases(parts)
+        return _input_major(*parts, into=into if isinstance(into, torch.Tensor) else None)
     from astrai.infer.quantized import quantize_weight
 
     return quantize_weight(parts, quantize, name), _biases(parts)
@@ -217,7 +221,10 @@ def _layer(model, i: int, prev: Optional[Layer] = None, quantize: Optional[str] 
     _check_children(ffn, "mlp", f"{where}.mlp")
     g, u, d = (linear_weight(getattr(ffn, n), f"{where}.mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
     w.gate_up_t, w.gate_up_b = _projection((g, u), prev and prev.gate_up_t, quantize, f"{where}.mlp.gate_proj/up_proj")
-    w.down_t, w.down_b = (d[0].t(), d[1]) if quantize is None else _projection((d,), None, quantize, f"{where}.mlp.down_proj")
+    if quantize is None:  # the model's own weight: as a RowsWeight, else its transposed view (no copy either way)
+        w.down_t, w.down_b = rows_weight([d[0]]) or d[0].t(), d[1]
+    else:
+        w.down_t, w.down_b = _projection((d,), None, quantize, f"{where}.mlp.down_proj")
     w.own.update(gate=g, up=u)
     return w
 

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from astrai.infer import native
 from astrai.model import quant
 
 KINDS = ("int8", "int4")
@@ -59,11 +60,39 @@ class QuantizedWeight:
 
 
 class Int8Weight(QuantizedWeight):
+    """int8: multiplied by astrai's kernel (astrai.infer.native.gemv_int8, the same sums in another order)
+    where it is built, at every row count (it ran faster than `_weight_int8pack_mm` from 1 to 512 rows:
+    bench/RESULTS.md), else by torch's."""
+
     kind = "int8"
+
+    def __init__(self, layer: quant.QuantizedLinear):
+        super().__init__(layer)
+        self.kernels = native.kernels() if layer.weight_int8.device.type == "cpu" else None
+
+    def product(self, a: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.kernels is None or a.dtype != torch.float32 or self.layer.scales.dtype != torch.float32:
+            return super().product(a, bias)
+        y = self.kernels.gemv_int8(a, self.layer.weight_int8, self.layer.scales)
+        return y if bias is None else y.add_(bias)
 
 
 class Int4Weight(QuantizedWeight):
+    """int4: multiplied by astrai's kernel (astrai.infer.native.gemv_int4) on a CPU with AVX-512, from the
+    same codes, scales and zeros in a layout of its own (`native.int4_layout`), else by torch's."""
+
     kind = "int4"
+
+    def __init__(self, layer: quant.QuantizedLinear, w: torch.Tensor):
+        super().__init__(layer)
+        k = native.kernels() if w.device.type == "cpu" else None
+        self.kernels, self.packed = (k, native.int4_layout(w, INT4_GROUP)) if k and k.int4 else (None, None)
+
+    def product(self, a: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.kernels is None or a.dtype != torch.float32:
+            return super().product(a, bias)
+        y = self.kernels.gemv_int4(a, *self.packed)
+        return y if bias is None else y.add_(bias)
 
 
 def quantize_weight(parts: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]], kind: str, name: str) \
@@ -77,7 +106,7 @@ def quantize_weight(parts: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]]
     if kind == "int8":
         return Int8Weight(quant.Int8Linear(shell, name))
     if kind == "int4":
-        return Int4Weight(quant.Int4Linear(shell, name, INT4_GROUP))
+        return Int4Weight(quant.Int4Linear(shell, name, INT4_GROUP), w)
     raise quant.QuantError(f"{name}: unknown quantization {kind!r}; choose one of {', '.join(KINDS)}")
 
 

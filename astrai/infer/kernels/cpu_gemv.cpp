@@ -88,6 +88,39 @@ void int8_tile_512(const float* x, int64_t K, const int8_t* w, float* out, int64
     for (int r = 0; r < N; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
+// int4, groups of 32 input columns: codes [N, K / 2] bytes, byte j of a group holding q[k = j] (low nibble)
+// and q[k = j + 16] (high); w = scale * q + offset per (row, group). The kernel sums
+// scale[n, g] * sum_{k in g} x[k] q[n, k] in the lanes; the offsets' part (offset[n, g] times the group's
+// sum of x) is added once per row by the caller.
+template <int M, int N>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void int4_tile_512(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* out, int64_t ldo) {
+  const int64_t G = K / 32, row_bytes = K / 2;
+  __m512 acc[M][N];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < N; ++r) acc[m][r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi32(0xf);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 lo[N], hi[N];
+    for (int r = 0; r < N; ++r) {
+      const uint8_t* at = codes + r * row_bytes + g * 16;
+      if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+      lo[r] = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
+      hi[r] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 xl = _mm512_loadu_ps(x + m * K + g * 32), xh = _mm512_loadu_ps(x + m * K + g * 32 + 16);
+      for (int r = 0; r < N; ++r) {
+        const __m512 part = _mm512_fmadd_ps(xl, lo[r], _mm512_mul_ps(xh, hi[r]));
+        acc[m][r] = _mm512_fmadd_ps(part, _mm512_set1_ps(scales[r * G + g]), acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < N; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
 // ---------------------------------------------------------------- AVX2 + FMA
 
 __attribute__((target("avx2,fma")))
@@ -195,9 +228,10 @@ void over_tiles(int64_t M, int64_t N, float* out32, Tile tile) {
   });
 }
 
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, int64_t isa) {
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, int64_t isa, int64_t max_rows) {
   check(x, w, at::kBFloat16, at::kBFloat16, "astrai::gemv_bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M > max_rows) return at::linear(x, w);  // many rows: torch's blocked product (oneDNN, AMX) reuses W better
   at::Tensor out32 = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
@@ -238,9 +272,46 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& offsets) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte && x.dim() == 2 && codes.dim() == 2,
+              "astrai::gemv_int4: x float32 [M, K], codes uint8 [N, K / 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && codes.size(1) == K / 2, "astrai::gemv_int4: K a multiple of 32, codes [N, K / 2]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kFloat && scales.numel() == N * G &&
+              offsets.numel() == N * G, "astrai::gemv_int4: scales and offsets float32 [N, K / 32]");
+  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(),
+              "astrai::gemv_int4: contiguous tensors only");
+  at::Tensor xs = x.view({M, G, 32}).sum(-1);  // [M, G]: each group's sum of x, for the offsets
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *sp = scales.data_ptr<float>(), *fp = offsets.data_ptr<float>();
+  const float* xsp = xs.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
+    with_rows(mr, nr, [&]<int M_, int N_>() {
+      int4_tile_512<M_, N_>(xp + m0 * K, K, cp + n0 * (K / 2), sp + n0 * G, o, N);
+    });
+    for (int64_t m = 0; m < mr; ++m)
+      for (int64_t r = 0; r < nr; ++r) {
+        float add = 0.f;
+        for (int64_t g = 0; g < G; ++g) add += fp[(n0 + r) * G + g] * xsp[(m0 + m) * G + g];
+        o[m * N + r] += add;
+      }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(astrai, m) {
-  m.def("gemv_bf16(Tensor x, Tensor w, int isa) -> Tensor", &gemv_bf16);
-  m.def("gemv_int8(Tensor x, Tensor w, Tensor scales, int isa) -> Tensor", &gemv_int8);
+  m.def("gemv_bf16(Tensor x, Tensor w, int isa, int max_rows) -> Tensor");
+  m.def("gemv_int8(Tensor x, Tensor w, Tensor scales, int isa) -> Tensor");
+  m.def("gemv_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(astrai, CPU, m) {
+  m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("gemv_int8", &gemv_int8);
+  m.impl("gemv_int4", &gemv_int4);
 }
