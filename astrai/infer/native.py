@@ -1,4 +1,4 @@
-"""The CPU engine's own few-row product kernels (astrai/infer/kernels/cpu_gemv.cpp), built at first use.
+"""The CPU engine's own few-row product kernels (astrai/kernels/cpu_gemv.cpp), built at first use.
 
 `kernels()` returns the instruction set the kernels run with on this CPU (a `Kernels`), or None where
 they cannot run: not x86 with AVX2 and FMA (the flags in /proc/cpuinfo), no C++ compiler, a build that
@@ -37,7 +37,7 @@ from astrai.cache import cache_root
 from astrai.errors import InputError
 from astrai.runtime.hardware import cpu_flags
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "cpu_gemv.cpp"
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu_gemv.cpp"  # beside the CUDA sources
 GEMV_ROWS = 4  # steps of up to this many rows use the kernels (bench/RESULTS.md: level with torch's from ~8)
 ISA_AVX2, ISA_AVX512_BF16 = 1, 2
 

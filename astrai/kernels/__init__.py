@@ -3,4 +3,7 @@
 The `.cu`/`.cuh` files next to this module are package data. `catalog` names every kernel, its
 template instantiations (NVRTC name expressions) and its register budget; `launch` plans grids and
 launches them. Importing this package needs neither torch nor CuPy.
+
+`cpu_gemv.cpp` is the CPU engine's few-row product kernels (bf16, int8, int4), a torch C++ extension
+built and loaded by astrai.infer.native.
 """
