@@ -124,9 +124,11 @@ def _build() -> None:
         where = build_dir()
     except InputError as e:
         raise OSError(str(e)) from None
-    where.mkdir(parents=True, exist_ok=True)
-    if where.is_symlink() or not where.is_dir():
-        raise OSError(f"{where} is not a directory astrai made")
+    where.parent.parent.mkdir(parents=True, exist_ok=True)  # the cache root (the user's choice of place)
+    for d in (where.parent, where):  # never build through a link into somebody else's directory
+        if d.is_symlink():
+            raise OSError(f"{d} is not a directory astrai made (a link)")
+        d.mkdir(exist_ok=True)
     load(name="astrai_cpu_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], build_directory=str(where),
          is_python_module=False, verbose=False)
 
@@ -157,6 +159,13 @@ class RowsWeight:
     @property
     def t(self) -> torch.Tensor:
         return self.w.t()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w.dtype
+
+    def data_ptr(self) -> int:
+        return self.w.data_ptr()
 
     def product(self, a: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if a.dtype == self.w.dtype == torch.bfloat16:

@@ -1,0 +1,132 @@
+"""astrai's CPU product kernels (astrai.infer.native, astrai/kernels/cpu_gemv.cpp) against float64 products of
+the same values, on every instruction set this machine runs, and how the engine uses them."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from astrai.infer import native
+from astrai.model import quant
+from astrai.runtime.hardware import cpu_flags
+
+KERNELS = native.kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="astrai's CPU kernels do not run here (not x86 AVX2, "
+                                                          "no compiler, or ASTRAI_NATIVE=0)")
+FLAGS = cpu_flags() or frozenset()
+# the instruction sets to test: AVX2 everywhere the kernels run, AVX-512 (BF16 for bf16) where the CPU has it
+BF16_ISAS = [native.ISA_AVX2] + ([native.ISA_AVX512_BF16] if KERNELS and KERNELS.bf16_isa == 2 else [])
+INT8_ISAS = [native.ISA_AVX2] + ([native.ISA_AVX512_BF16] if KERNELS and KERNELS.int8_isa == 2 else [])
+# (M rows, K, N): one row to more than a tile of rows (4), K and N with tails past every vector width
+SHAPES = [(1, 576, 960), (2, 1536, 576), (3, 37, 13), (4, 100, 6), (5, 64, 7), (9, 33, 17)]
+
+
+def _bound(x, w, ref, k, out_bits=None):
+    """What float32 sums of k products may be off by (k * 2^-24 of the sum of |terms|, twice for safety),
+    plus half an ulp of the result's format when it is rounded (bf16: 2^-8 relative)."""
+    slack = 2 * k * 2.0 ** -24 * (x.abs() @ w.abs().t())
+    return slack + (ref.abs() * 2.0 ** -out_bits if out_bits else 0) + 1e-30
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", BF16_ISAS)
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_bf16_product_is_the_float64_product_rounded_once(isa, m, k, n):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    ref = x.double() @ w.double().t()
+    y = torch.ops.astrai.gemv_bf16(x, w, isa, 4)  # more than 4 rows: torch's product, the same contract
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert ((y.double() - ref).abs() <= _bound(x.double(), w.double(), ref, k, 8)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", INT8_ISAS)
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_int8_product_is_torchs_weight_only_product(isa, m, k, n):
+    g = torch.Generator().manual_seed(m + k * 7 + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) + 0.01
+    ref = (x.double() @ w.double().t()) * scales.double()
+    y = torch.ops.astrai.gemv_int8(x, w, scales, isa)
+    assert y.dtype == torch.float32
+    assert ((y.double() - ref).abs() <= _bound(x.double(), w.double(), ref, k) * scales.double() + 1e-6 * ref.abs()).all()
+    # and torch's own kernel agrees to the same bound (the reference the engine used before)
+    t = torch._weight_int8pack_mm(x, w, scales)
+    assert ((t.double() - ref).abs() <= _bound(x.double(), w.double(), ref, k) * scales.double() + 1e-6 * ref.abs()).all()
+
+
+@needs_kernels
+@pytest.mark.skipif(not (KERNELS and KERNELS.int4), reason="the int4 kernel needs AVX-512")
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+def test_int4_product_multiplies_the_weights_torch_dequantizes(m):
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(48, 96, generator=g)
+    shell = nn.Linear(96, 48, bias=False)
+    shell.weight.data = w
+    deq = quant.Int4Linear(shell, "t", 32).dequantize().double()  # torch's reading of the same codes
+    codes, scales, offsets = native.int4_layout(w, 32)
+    x = torch.randn(m, 96, generator=g)
+    ref = x.double() @ deq.t()
+    y = torch.ops.astrai.gemv_int4(x, codes, scales, offsets)
+    assert ((y.double() - ref).abs() <= _bound(x.double(), deq, ref, 96) + 1e-5 * deq.abs().max()).all()
+
+
+@pytest.mark.parametrize("flags, bf16, int8", [
+    ({"avx2", "fma"}, native.ISA_AVX2, native.ISA_AVX2),
+    ({"avx2", "fma", "avx512f", "avx512bw"}, native.ISA_AVX2, native.ISA_AVX512_BF16),  # AVX-512 without BF16
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}, native.ISA_AVX512_BF16, native.ISA_AVX512_BF16),
+])
+def test_instruction_sets_follow_the_cpu_flags(flags, bf16, int8):
+    k = native.isa_for(frozenset(flags))
+    assert (k.bf16_isa, k.int8_isa) == (bf16, int8)
+    assert native.isa_for(frozenset({"sse4_2"})) is None and native.isa_for(None) is None
+
+
+def _run(code: str, cache, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ASTRAI_CACHE": str(cache), **env})
+
+
+def test_switched_off_the_engine_keeps_torchs_products(tmp_path):
+    r = _run("from astrai.infer import native; print(native.kernels())", tmp_path, ASTRAI_NATIVE="0")
+    assert r.returncode == 0 and r.stdout.strip() == "None"
+    assert not (tmp_path / "kernels").exists()  # nothing built, nothing written
+
+
+@needs_kernels
+def test_a_linked_build_directory_is_refused_and_nothing_is_written_through_it(tmp_path):
+    cache, elsewhere = tmp_path / "cache", tmp_path / "users"
+    elsewhere.mkdir()
+    where = _run("from astrai.infer import native; print(native.build_dir())", cache).stdout.strip()
+    os.makedirs(os.path.dirname(where))
+    os.symlink(elsewhere, where)
+    r = _run("from astrai.infer import native; print(native.kernels())", cache)
+    assert r.stdout.strip() == "None", r.stderr
+    assert "did not build" in r.stderr and "not a directory astrai made (a link)" in r.stderr
+    assert list(elsewhere.iterdir()) == []
+
+
+@needs_kernels
+def test_a_bf16_engine_multiplies_with_the_kernels_and_matches_torchs_products(monkeypatch):
+    from astrai.infer.fused import FusedModel
+    from astrai.model.config import ModelConfig
+    from astrai.model.transformer import CausalLM
+
+    torch.manual_seed(0)
+    c = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = CausalLM(c).eval().to(torch.bfloat16)
+    fused = FusedModel(model)
+    w = fused.layers[0]
+    assert all(isinstance(t, native.RowsWeight) for t in (w.qkv_t, w.o_t, w.gate_up_t, w.down_t, fused.packed.head_t))
+    assert w.down_t.w.data_ptr() == model.model.layers[0].mlp.down_proj.weight.data_ptr()  # no copy
+    h = torch.randn(3, 64).bfloat16()
+    for t, parts in ((w.qkv_t, ("q_proj", "k_proj", "v_proj")), (w.o_t, ("o_proj",))):
+        ref = torch.cat([getattr(model.model.layers[0].self_attn, p)(h) for p in parts], 1)  # torch's bf16 products
+        y = t.product(h)
+        assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
