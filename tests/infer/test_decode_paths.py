@@ -151,3 +151,25 @@ def test_cuda_graph_decode_equals_eager_on_gpu(tiny_path):
             m.model.layers[0].mlp.up_proj.weight.mul_(1.5)
     ps = prompts(9, 5)
     assert [o.token_ids for o in graphs.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
+
+
+@pytest.mark.slow  # one compile, about a minute on a 2-core machine
+def test_compiled_bf16_decode_follows_eager_with_the_cpu_kernels(tiny_path):
+    """bf16 weights on a CPU with astrai's kernels: the compiled decode multiplies with the same operator
+    (astrai::gemv_bf16) inside its graph; its greedy tokens follow the eager bf16 engine's (inductor
+    may round elementwise bf16 work once where eager rounds each operation, so only the first tokens of
+    each request are held equal) and its log-probabilities stay within bf16's resolution of them."""
+    from astrai.infer.native import RowsWeight, kernels
+
+    if kernels() is None:
+        pytest.skip("astrai's CPU kernels do not run here")
+    opts = dict(device="cpu", dtype="bfloat16", page_size=4, max_running=8)
+    eager = Engine(load_model(tiny_path), options=EngineOptions(**opts))
+    compiled = Engine(load_model(tiny_path), options=EngineOptions(**opts, compile=True))
+    assert isinstance(compiled.runner.fused.layers[0].qkv_t, RowsWeight) and compiled.runner.compiled is not None
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+    for ps in (prompts(1, 1), prompts(2, 6)):
+        a, b = eager.generate(ps, params), compiled.generate(ps, params)
+        for x, y in zip(a, b):
+            assert x.token_ids[:2] == y.token_ids[:2]
+            assert abs(x.logprobs[0].logprob - y.logprobs[0].logprob) < 0.05
