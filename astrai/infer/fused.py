@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from astrai.infer import native
 from astrai.infer.packed import OWN_ROWS, Experts, Layer, pack
 from astrai.model.layers import activation, at_least_float32, route
 
@@ -79,6 +80,8 @@ class FusedModel:
         half = self.wdtype in (torch.bfloat16, torch.float16) and self.packed.embed.device.type == "cpu"
         # the residual stream's dtype: float32 under 16-bit weights on a CPU (module docstring), else the weights'
         self.stream: Optional[torch.dtype] = torch.float32 if half else None
+        cpu = self.packed.embed.device.type == "cpu" and self.wdtype in (torch.float32, torch.bfloat16)
+        self.norm_kernel = cpu and native.kernels() is not None  # `norm_in`
         self.builds += 1
 
     def release(self) -> None:
@@ -94,6 +97,15 @@ class FusedModel:
         x = x if scale is None else x * scale
         return x if self.stream is None else x.to(self.stream)
 
+    def norm_in(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A projection's input: `to_weight_dtype(norm(x, weight))`. For the few float32 rows of a decode step
+        on a CPU with astrai's kernels it is one operation of them (astrai.infer.native.rms_norm_cast: the
+        same formula, the mean of squares summed in double), not three of torch's."""
+        if self.norm_kernel and x.shape[0] <= NORM_KERNEL_ROWS and x.dtype == torch.float32 and x.dim() == 2 \
+                and weight.dim() == 1 and weight.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.astrai.rms_norm_cast(x.contiguous(), weight, self.eps, self.wdtype == torch.bfloat16)
+        return self.to_weight_dtype(self.norm(x, weight))
+
     def to_weight_dtype(self, h: torch.Tensor) -> torch.Tensor:
         """A projection's input in the weights' dtype (a no-op unless the stream is float32)."""
         return h if self.stream is None else h.to(self.wdtype)
@@ -104,7 +116,7 @@ class FusedModel:
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, position_ids, ctx, static)
-        return self.to_weight_dtype(self.norm(x, self.packed.norm))
+        return self.norm_in(x, self.packed.norm)
 
     __call__ = forward
 
@@ -117,7 +129,7 @@ class FusedModel:
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         lora = self.lora  # LoRA adapters' terms, added to each projection group's output
-        h = self.to_weight_dtype(self.norm(x, w.attn_norm))
+        h = self.norm_in(x, w.attn_norm)
         parts = split_parts(h, self.threads)  # h: in the weights' dtype, which decides
         # the model's own weights, one matmul per projection (unless the products are split)
         own = parts == 1 and self.own_rows[0] <= t <= self.own_rows[1] and isinstance(w.qkv_t, torch.Tensor)
@@ -139,7 +151,7 @@ class FusedModel:
         o = ctx.attend(i, q, k, qkv[:, hq + hkv:], window=w.window, scale=self.scale).reshape(t, hq * d)
         x = self._residual(x, o, w.own["o"][0].t() if own else w.o_t, w.o_b, w.attn_out_norm,
                            lora and lora[0].delta(i, "o", o, lora[1]), parts)
-        h = self.to_weight_dtype(self.norm(x, w.ffn_norm))
+        h = self.norm_in(x, w.ffn_norm)
         if w.experts is not None:
             y = experts_forward(h, w.experts, self.act, static)
             return x + (y if w.ffn_out_norm is None else self.norm(y, w.ffn_out_norm))
@@ -170,6 +182,10 @@ class FusedModel:
 def _plus(y: torch.Tensor, extra) -> torch.Tensor:
     return y if extra is None else y + extra
 
+
+# steps of up to this many rows normalise with astrai's kernel (`FusedModel.norm_in`); longer ones with torch's,
+# which spreads the rows over the threads
+NORM_KERNEL_ROWS = 16
 
 # CPU steps of at most SPLIT_K_ROWS rows split their products' inner dimension across torch's threads,
 # steps of up to SPLIT_N_ROWS rows their output dimension; larger ones are MKL's own products

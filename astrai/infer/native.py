@@ -11,7 +11,11 @@ float32 additions.
 - `gemv_int8(x, w, scales)`: x [M, K] float32 @ (w [N, K] int8 * scales [N])^T -> [M, N] float32, as
   torch's `_weight_int8pack_mm` (AVX-512F or AVX2).
 
-Both are for the few rows of a decode step (up to GEMV_ROWS): each thread of torch's pool streams a
+- `gemv_int4(x, codes, scales, offsets)`: float32 x @ the int4 weights of `int4_layout` (AVX-512F only).
+- `torch.ops.astrai.rms_norm_cast(x, w, eps, to_bf16)`: RMSNorm of float32 rows times w, rounded to bf16
+  or kept float32: the input of a decode step's projections in one operation (astrai.infer.fused.norm_in).
+
+The products are for the few rows of a decode step (bf16: up to GEMV_ROWS): each thread of torch's pool streams a
 contiguous range of W's rows once for all rows of x. Larger steps (prefill) keep torch's products,
 whose blocked kernels (AMX, MKL) reuse each weight over many rows.
 
@@ -140,6 +144,10 @@ def _build() -> None:
     @torch.library.register_fake("astrai::gemv_int4")
     def _(x, codes, scales, offsets):
         return x.new_empty((x.shape[0], codes.shape[0]))
+
+    @torch.library.register_fake("astrai::rms_norm_cast")
+    def _(x, w, eps, to_bf16):
+        return x.new_empty(x.shape, dtype=torch.bfloat16 if to_bf16 else torch.float32)
 
     @torch.library.register_fake("astrai::gemv_int8")
     def _(x, w, scales, isa):

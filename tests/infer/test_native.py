@@ -130,3 +130,22 @@ def test_a_bf16_engine_multiplies_with_the_kernels_and_matches_torchs_products(m
         ref = torch.cat([getattr(model.model.layers[0].self_attn, p)(h) for p in parts], 1)  # torch's bf16 products
         y = t.product(h)
         assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("to_bf16", [False, True])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_cast_is_the_norm_times_the_weight_rounded_once(to_bf16, w_dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 576, generator=g) * torch.tensor([1.0, 1e3, 1e-3, 2.5e4, 7.0])[:, None]  # SmolLM2-sized spikes
+    w = (torch.randn(576, generator=g) + 1).to(w_dtype)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    y = torch.ops.astrai.rms_norm_cast(x, w, 1e-5, to_bf16)
+    assert y.dtype == (torch.bfloat16 if to_bf16 else torch.float32)
+    # float32 arithmetic (a few roundings of 2^-24) then, for bf16, one rounding of half a bf16 ulp
+    tol = ref.abs() * (2.0 ** -8 + 2.0 ** -21 if to_bf16 else 2.0 ** -21) + 1e-30
+    assert ((y.double() - ref).abs() <= tol).all()
+    # and torch's three operations give the same within that bound
+    t = (torch.nn.functional.rms_norm(x, (576,), None, 1e-5) * w).to(y.dtype)
+    assert ((t.double() - ref).abs() <= tol).all()
