@@ -144,7 +144,10 @@ class FusedModel:
             qk = self.norm(qk, w.qk_norm)
         tables = ctx.rope_tables(position_ids, w.rope)
         if tables is not None:
-            rope_in_place(qk, *tables)
+            if self.norm_kernel and t <= NORM_KERNEL_ROWS and qk.dtype == tables[0].dtype:
+                torch.ops.astrai.rope_in_place(qk, *tables)  # astrai's CPU kernel: one operation, not four
+            else:
+                rope_in_place(qk, *tables)
             q, k = qk[:, :hq], qk[:, hq:]
         else:  # the backend applies RoPE itself (a fused kernel)
             q, k = ctx.rotary(qk[:, :hq], qk[:, hq:], position_ids, w.rope)

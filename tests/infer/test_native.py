@@ -149,3 +149,43 @@ def test_rms_norm_cast_is_the_norm_times_the_weight_rounded_once(to_bf16, w_dtyp
     # and torch's three operations give the same within that bound
     t = (torch.nn.functional.rms_norm(x, (576,), None, 1e-5) * w).to(y.dtype)
     assert ((t.double() - ref).abs() <= tol).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_rotates_as_the_torch_formula(dtype):
+    from astrai.infer.fused import rope_in_place
+
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, 15, 64, generator=g).to(dtype)
+    cos, sin = (torch.randn(3, 1, 64, generator=g).to(dtype) for _ in range(2))
+    ref = qkv[:, :12].clone()
+    rope_in_place(ref, cos, sin)  # torch's four operations
+    out = qkv.clone()
+    torch.ops.astrai.rope_in_place(out[:, :12], cos, sin)  # a strided view, as the engine passes q/k
+    assert torch.equal(out[:, 12:], qkv[:, 12:])  # v untouched
+    if dtype == torch.float32:
+        assert torch.equal(out[:, :12], ref)  # the same products and sum, rounded as torch rounds them
+    else:  # float32 arithmetic rounded once against the float64 formula: half a bf16 ulp
+        x = qkv[:, :12].double()
+        exact = x * cos.double() + x.roll(32, -1) * sin.double()
+        assert ((out[:, :12].double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_is_sdpa_over_each_requests_slots(dtype):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(6)
+    s, hkv, d, hq = 80, 3, 64, 9
+    kc, vc = (torch.randn(s, hkv, d, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(s, generator=g)[:3 * 25].view(3, 25)
+    counts = torch.tensor([25, 1, 13])  # the first counts[b] slots of each row are the request's
+    q = torch.randn(3, hq, d, generator=g).to(dtype)
+    out = torch.ops.astrai.decode_attention(q, kc, vc, slots, counts, 0.1)
+    for b, n in enumerate(counts.tolist()):
+        k, v = (c[slots[b, :n]].transpose(0, 1).double() for c in (kc, vc))
+        ref = F.scaled_dot_product_attention(q[b, :, None].double(), k, v, scale=0.1, enable_gqa=True)[:, 0]
+        tol = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5  # bf16: the output's rounding
+        assert ((out[b].double() - ref).abs() <= tol * ref.abs() + tol).all()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from astrai.infer import native
 from astrai.infer.backend import AttentionBackend, AttentionMeta
 from astrai.model.attention import banded_sdpa
 
@@ -93,6 +94,11 @@ def decode_kv_slots(meta: AttentionMeta, window: int | None = None,
 class TorchBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
+        super().__init__(k_cache, v_cache)
+        # decode's padded plan runs astrai's CPU kernel (astrai.infer.native) where it is built
+        self.cpu_kernel = bool(k_cache) and k_cache[0].device.type == "cpu" and native.kernels() is not None
+
     def _prefill_plan(self, meta: AttentionMeta, window):
         key = "torch_prefill" if window is None else ("torch_prefill", window)
         plan = meta.scratch.get(key)
@@ -141,7 +147,7 @@ class TorchBackend(AttentionBackend):
         slots = _page_slots(meta)
         if window is not None and max(kv_lens) > window:
             window_slots, valid = decode_kv_slots(meta, window, slots)
-            plan = ("padded", window_slots, valid[:, None, None, :])
+            plan = ("padded", window_slots, valid[:, None, None, :], valid.sum(-1))
             meta.scratch[key] = plan
             return plan
         shared = 0
@@ -158,8 +164,9 @@ class TorchBackend(AttentionBackend):
             plan = ("cascade", slots[0, :shared], own_slots, add[:, None, None, :])
         else:
             slots, valid = decode_kv_slots(meta, None, slots)
-            # a single request needs no mask: SDPA without one is faster (and exact)
-            plan = ("padded", slots, None if meta.batch_size == 1 else valid[:, None, None, :])
+            # a single request needs no mask: SDPA without one is faster (and exact); each request's valid
+            # positions come first, `valid.sum(-1)` of them (the CPU kernel's counts)
+            plan = ("padded", slots, None if meta.batch_size == 1 else valid[:, None, None, :], valid.sum(-1))
         meta.scratch[key] = plan
         return plan
 
@@ -181,7 +188,12 @@ class TorchBackend(AttentionBackend):
             k, v = self._gather(layer, own_slots)
             o2, l2 = _FLASH_CPU(q[:, :, None, :], k, v, attn_mask=add_mask, scale=scale)  # [B, Hq, 1, D]
             return _merge(o1[0].transpose(0, 1), l1[0].transpose(0, 1), o2[:, :, 0], l2[:, :, 0], q.dtype)
-        _, slots, mask = plan
+        _, slots, mask, counts = plan
+        if self.cpu_kernel and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == self.k_cache[layer].dtype:
+            # astrai's CPU kernel reads the K/V through the slots (no gathered copy); the same softmax
+            d = q.shape[-1]
+            return torch.ops.astrai.decode_attention(q, self.k_cache[layer], self.v_cache[layer], slots, counts,
+                                                     d ** -0.5 if scale is None else scale)
         k, v = self._gather(layer, slots)  # [B, Hkv, max_kv, D]
         o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=q.shape[1] != k.shape[1])
