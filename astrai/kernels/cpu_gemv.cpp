@@ -45,9 +45,9 @@ inline float bf16_to_float(uint16_t v) {
 // ---------------------------------------------------------------- AVX-512
 // Tiles are templates on their row counts, so the M x N accumulators stay in registers.
 
-template <int M, int N>
+template <int M, int N, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-void bf16_tile_512(const uint16_t* x, int64_t K, const uint16_t* w, float* out, int64_t ldo) {
+void bf16_tile_512(const uint16_t* x, int64_t K, const uint16_t* w, Out* out, int64_t ldo) {
   __m512 acc[M][N];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < N; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -65,7 +65,7 @@ void bf16_tile_512(const uint16_t* x, int64_t K, const uint16_t* w, float* out, 
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < N; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < N; ++r) out[m * ldo + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[m][r]));
 }
 
 template <int M, int N>
@@ -135,9 +135,9 @@ inline float hsum_256(__m256 v) {
 }
 
 // x is float32 here (the caller widens bf16 x once); W's rows are widened 8 at a time by `Rows::load`
-template <int M, int N, typename Rows>
+template <int M, int N, typename Rows, typename Out>
 __attribute__((target("avx2,fma")))
-void tile_256(const float* x, int64_t K, const Rows& w, float* out, int64_t ldo) {
+void tile_256(const float* x, int64_t K, const Rows& w, Out* out, int64_t ldo) {
   __m256 acc[M][N];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < N; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -157,7 +157,7 @@ void tile_256(const float* x, int64_t K, const Rows& w, float* out, int64_t ldo)
     for (int r = 0; r < N; ++r) {
       float s = hsum_256(acc[m][r]);
       for (int64_t k = K8; k < K; ++k) s += x[m * K + k] * w.at(r, k);
-      out[m * ldo + r] = s;
+      out[m * ldo + r] = static_cast<Out>(s);
     }
 }
 
@@ -216,9 +216,9 @@ void with_rows(int64_t mr, int64_t nr, F&& f) {
   }
 }
 
-// runs tile(m0, m_rows, n0, n_rows, out32 + m0 * N + n0) over the output, threads splitting N
-template <typename Tile>
-void over_tiles(int64_t M, int64_t N, float* out32, Tile tile) {
+// runs tile(m0, m_rows, n0, n_rows, out + m0 * N + n0) over the output, threads splitting N
+template <typename Out, typename Tile>
+void over_tiles(int64_t M, int64_t N, Out* out32, Tile tile) {
   const int64_t tiles = (N + NR - 1) / NR;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
@@ -235,22 +235,22 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, int64_t isa, int6
   check(x, w, at::kBFloat16, at::kBFloat16, "astrai::gemv_bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   if (M > max_rows) return at::linear(x, w);  // many rows: torch's blocked product (oneDNN, AMX) reuses W better
-  at::Tensor out32 = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({M, N}, x.options());  // each sum rounded to nearest even, once, as it is stored
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  float* op = out32.data_ptr<float>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   if (isa >= 2) {
-    over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
+    over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, at::BFloat16* o) {
       with_rows(mr, nr, [&]<int M_, int N_>() { bf16_tile_512<M_, N_>(xp + m0 * K, K, wp + n0 * K, o, N); });
     });
   } else {
     at::Tensor xf = x.to(at::kFloat);
     const float* xfp = xf.data_ptr<float>();
-    over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
+    over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, at::BFloat16* o) {
       with_rows(mr, nr, [&]<int M_, int N_>() { tile_256<M_, N_>(xfp + m0 * K, K, Bf16Rows{wp + n0 * K, K}, o, N); });
     });
   }
-  return out32.to(at::kBFloat16);  // rounded to nearest even, once
+  return out;
 }
 
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t isa) {
