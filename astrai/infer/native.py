@@ -1,4 +1,4 @@
-"""The CPU engine's own few-row product kernels (astrai/kernels/cpu_gemv.cpp), built at first use.
+"""The CPU engine's own decode-step kernels (astrai/kernels/cpu_gemv.cpp, cpu_decode.cpp), built at first use.
 
 `kernels()` returns the instruction set the kernels run with on this CPU (a `Kernels`), or None where
 they cannot run: not x86 with AVX2 and FMA (the flags in /proc/cpuinfo), no C++ compiler, a build that
@@ -10,18 +10,21 @@ float32 additions.
   AVX-512 BF16's VDPBF16PS where the CPU has it, else bf16 widened to float32 under AVX2 + FMA.
 - `gemv_int8(x, w, scales)`: x [M, K] float32 @ (w [N, K] int8 * scales [N])^T -> [M, N] float32, as
   torch's `_weight_int8pack_mm` (AVX-512F or AVX2).
-
 - `gemv_int4(x, codes, scales, offsets)`: float32 x @ the int4 weights of `int4_layout` (AVX-512F only).
 - `torch.ops.astrai.rms_norm_cast(x, w, eps, to_bf16)`: RMSNorm of float32 rows times w, rounded to bf16
   or kept float32: the input of a decode step's projections in one operation (astrai.infer.fused.norm_in).
+- `torch.ops.astrai.rope_in_place(x, cos, sin_signed)`: astrai.infer.fused.rope_in_place in one operation.
+- `torch.ops.astrai.decode_attention(q, k_cache, v_cache, slots, counts, scale)`: one query per request
+  against the K/V at its first counts[b] slots, read in place (the torch backend's decode).
 
-The products are for the few rows of a decode step (bf16: up to GEMV_ROWS): each thread of torch's pool streams a
-contiguous range of W's rows once for all rows of x. Larger steps (prefill) keep torch's products,
-whose blocked kernels (AMX, MKL) reuse each weight over many rows.
+The bf16 product is for the few rows of a decode step (up to GEMV_ROWS): each thread of torch's pool streams
+a contiguous range of W's rows once for all rows of x; larger steps (prefill) keep torch's product, whose
+blocked kernels (AMX, MKL) reuse each weight over many rows. The int8 and int4 products run at every row
+count (torch's weight-only kernels were slower at all of them).
 
-The build: torch.utils.cpp_extension compiles the source once per (source, torch version, compiler)
-into the user's astrai cache (`kernels/cpu_gemv-<digest>`, a directory astrai makes and owns; about 25 s
-on two cores), and later processes load the built library in milliseconds. A failed build is said once
+The build: torch.utils.cpp_extension compiles the sources once per (sources, torch version) into the
+user's astrai cache (`kernels/cpu_gemv-<digest>`, a directory astrai makes and owns; about 15 s on two
+cores), and later processes load the built library in milliseconds. A failed build is said once
 on stderr, with its first error line, and the engine goes on with torch's products.
 """
 
@@ -41,7 +44,8 @@ from astrai.cache import cache_root
 from astrai.errors import InputError
 from astrai.runtime.hardware import cpu_flags
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu_gemv.cpp"  # beside the CUDA sources
+# beside the CUDA sources: the products, and the decode step's norm, RoPE and attention
+SOURCES = [Path(__file__).resolve().parents[1] / "kernels" / name for name in ("cpu_gemv.cpp", "cpu_decode.cpp")]
 GEMV_ROWS = 4  # steps of up to this many rows use the kernels (bench/RESULTS.md: level with torch's from ~8)
 ISA_AVX2, ISA_AVX512_BF16 = 1, 2
 
@@ -115,7 +119,7 @@ def _load() -> Optional[Kernels]:
 
 def build_dir() -> Path:
     """Where the kernels of this source and torch version are built (inside astrai's cache)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu_gemv-{digest}"
 
 
@@ -133,7 +137,7 @@ def _build() -> None:
         if d.is_symlink():
             raise OSError(f"{d} is not a directory astrai made (a link)")
         d.mkdir(exist_ok=True)
-    load(name="astrai_cpu_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], build_directory=str(where),
+    load(name="astrai_cpu_gemv", sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"], build_directory=str(where),
          is_python_module=False, verbose=False)
 
     # shapes for torch.compile's tracing (the compiled decode calls the operators inside its graph)

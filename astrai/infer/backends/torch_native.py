@@ -6,7 +6,8 @@ needs a bottom-right causal mask, and SDPA with an explicit mask computes every 
 q_len x kv_len rectangle; on CPU it is split instead into attention over the cached prefix (no mask)
 and causal attention over the new tokens, merged by their log-sum-exps (the CPU flash kernel
 returns them), which skips the masked-out blocks (bench/cpu_ops.py). Decode pads all requests to the longest K/V and runs one
-SDPA call with a length mask. Slot indices and masks are derived from the meta once per step
+SDPA call with a length mask (on a CPU with astrai's kernels, astrai::decode_attention: the same softmax
+read through the slots, no gathered copy). Slot indices and masks are derived from the meta once per step
 (kept in meta.scratch, per window) and reused by every layer.
 
 A sliding-window layer (window W) reads only the K/V it can see: prefill gathers from position
