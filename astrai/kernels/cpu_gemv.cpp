@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -282,10 +283,12 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               offsets.numel() == N * G, "astrai::gemv_int4: scales and offsets float32 [N, K / 32]");
   TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(),
               "astrai::gemv_int4: contiguous tensors only");
-  at::Tensor xs = x.view({M, G, 32}).sum(-1);  // [M, G]: each group's sum of x, for the offsets
   at::Tensor out = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *sp = scales.data_ptr<float>(), *fp = offsets.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
+  std::vector<float> xs(M * G, 0.f);  // [M, G]: each group's sum of x, for the offsets
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xs[m * G + k / 32] += xp[m * K + k];
+  const float* xsp = xs.data();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
