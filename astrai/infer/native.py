@@ -2,7 +2,8 @@
 
 `kernels()` returns the instruction set the kernels run with on this CPU (a `Kernels`), or None where
 they cannot run: not x86 with AVX2 and FMA (the flags in /proc/cpuinfo), no C++ compiler, a build that
-failed, or `ASTRAI_NATIVE=0` in the environment. Callers then keep torch's products: the kernels are a
+failed, or `ASTRAI_NATIVE=0` in the environment (`ASTRAI_NATIVE=avx2`: the AVX2 paths only, as an
+AVX2-only CPU runs them, for tests and comparisons). Callers then keep torch's products: the kernels are a
 speed-up, never a requirement, and nothing computes a different result without them beyond the order of
 float32 additions.
 
@@ -47,13 +48,14 @@ from astrai.runtime.hardware import cpu_flags
 # beside the CUDA sources: the products, and the decode step's norm, RoPE and attention
 SOURCES = [Path(__file__).resolve().parents[1] / "kernels" / name for name in ("cpu_gemv.cpp", "cpu_decode.cpp")]
 GEMV_ROWS = 4  # steps of up to this many rows use the kernels (bench/RESULTS.md: level with torch's from ~8)
-ISA_AVX2, ISA_AVX512_BF16 = 1, 2
+# instruction sets of the kernels' `isa` argument: AVX2 + FMA, or AVX-512 (bf16: AVX-512 BF16; int8: AVX-512F)
+ISA_AVX2, ISA_AVX512 = 1, 2
 
 
 @dataclass(frozen=True)
 class Kernels:
-    bf16_isa: int  # ISA_AVX512_BF16 or ISA_AVX2
-    int8_isa: int  # ISA_AVX512_BF16 means AVX-512F here
+    bf16_isa: int  # ISA_AVX512 (AVX-512 BF16) or ISA_AVX2
+    int8_isa: int  # ISA_AVX512 (AVX-512F) or ISA_AVX2
     name: str  # what the machine runs, for logs and benchmarks
 
     def gemv_bf16(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -67,7 +69,7 @@ class Kernels:
     @property
     def int4(self) -> bool:
         """Whether `gemv_int4` runs here (it needs AVX-512F)."""
-        return self.int8_isa == ISA_AVX512_BF16
+        return self.int8_isa == ISA_AVX512
 
     def gemv_int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) \
             -> torch.Tensor:
@@ -83,10 +85,10 @@ def isa_for(flags: Optional[frozenset]) -> Optional[Kernels]:
     if not flags or not {"avx2", "fma"} <= flags:
         return None
     avx512 = {"avx512f", "avx512bw"} <= flags
-    bf16 = ISA_AVX512_BF16 if avx512 and "avx512_bf16" in flags else ISA_AVX2
-    int8 = ISA_AVX512_BF16 if avx512 else ISA_AVX2
-    return Kernels(bf16, int8, f"bf16 {'avx512_bf16' if bf16 == ISA_AVX512_BF16 else 'avx2'}, "
-                               f"int8 {'avx512f' if int8 == ISA_AVX512_BF16 else 'avx2'}")
+    bf16 = ISA_AVX512 if avx512 and "avx512_bf16" in flags else ISA_AVX2
+    int8 = ISA_AVX512 if avx512 else ISA_AVX2
+    return Kernels(bf16, int8, f"bf16 {'avx512_bf16' if bf16 == ISA_AVX512 else 'avx2'}, "
+                               f"int8 {'avx512f' if int8 == ISA_AVX512 else 'avx2'}")
 
 
 def kernels() -> Optional[Kernels]:
@@ -97,13 +99,17 @@ def kernels() -> Optional[Kernels]:
 
 
 def _load() -> Optional[Kernels]:
-    if os.environ.get("ASTRAI_NATIVE", "1") == "0":
+    mode = os.environ.get("ASTRAI_NATIVE", "1")
+    if mode == "0":
         return None
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
-    chosen = isa_for(cpu_flags())
+    flags = cpu_flags()
+    if mode == "avx2" and flags:  # the AVX2 paths on any CPU that has AVX2 (what an AVX2-only machine runs)
+        flags = frozenset(f for f in flags if not f.startswith("avx512"))
+    chosen = isa_for(flags)
     if chosen is None:
         return None
     try:
@@ -111,7 +117,7 @@ def _load() -> Optional[Kernels]:
     except Exception as e:  # no compiler, no headers, a full disk: torch's products instead
         lines = str(e).splitlines() or [""]
         first = next((ln for ln in lines if " error: " in ln), lines[0])
-        print(f"astrai: the CPU product kernels did not build ({type(e).__name__}: {first.strip()[:200]}); "
+        print(f"astrai: the CPU kernels did not build ({type(e).__name__}: {first.strip()[:200]}); "
               "using torch's", file=sys.stderr)
         return None
     return chosen

@@ -18,8 +18,8 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="astrai's CPU kernels
                                                           "no compiler, or ASTRAI_NATIVE=0)")
 FLAGS = cpu_flags() or frozenset()
 # the instruction sets to test: AVX2 everywhere the kernels run, AVX-512 (BF16 for bf16) where the CPU has it
-BF16_ISAS = [native.ISA_AVX2] + ([native.ISA_AVX512_BF16] if KERNELS and KERNELS.bf16_isa == 2 else [])
-INT8_ISAS = [native.ISA_AVX2] + ([native.ISA_AVX512_BF16] if KERNELS and KERNELS.int8_isa == 2 else [])
+BF16_ISAS = [native.ISA_AVX2] + ([native.ISA_AVX512] if KERNELS and KERNELS.bf16_isa == 2 else [])
+INT8_ISAS = [native.ISA_AVX2] + ([native.ISA_AVX512] if KERNELS and KERNELS.int8_isa == 2 else [])
 # (M rows, K, N): one row to more than a tile of rows (4), K and N with tails past every vector width
 SHAPES = [(1, 576, 960), (2, 1536, 576), (3, 37, 13), (4, 100, 6), (5, 64, 7), (9, 33, 17)]
 
@@ -78,8 +78,8 @@ def test_int4_product_multiplies_the_weights_torch_dequantizes(m):
 
 @pytest.mark.parametrize("flags, bf16, int8", [
     ({"avx2", "fma"}, native.ISA_AVX2, native.ISA_AVX2),
-    ({"avx2", "fma", "avx512f", "avx512bw"}, native.ISA_AVX2, native.ISA_AVX512_BF16),  # AVX-512 without BF16
-    ({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}, native.ISA_AVX512_BF16, native.ISA_AVX512_BF16),
+    ({"avx2", "fma", "avx512f", "avx512bw"}, native.ISA_AVX2, native.ISA_AVX512),  # AVX-512 without BF16
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}, native.ISA_AVX512, native.ISA_AVX512),
 ])
 def test_instruction_sets_follow_the_cpu_flags(flags, bf16, int8):
     k = native.isa_for(frozenset(flags))
@@ -99,6 +99,13 @@ def test_switched_off_the_engine_keeps_torchs_products(tmp_path):
 
 
 @needs_kernels
+def test_avx2_mode_takes_the_avx2_paths_on_any_avx2_cpu():
+    r = _run("from astrai.infer import native; k = native.kernels(); print(k.bf16_isa, k.int8_isa, k.int4)",
+             native.cache_root(), ASTRAI_NATIVE="avx2")
+    assert r.stdout.split() == [str(native.ISA_AVX2), str(native.ISA_AVX2), "False"], r.stderr
+
+
+@needs_kernels
 def test_a_linked_build_directory_is_refused_and_nothing_is_written_through_it(tmp_path):
     cache, elsewhere = tmp_path / "cache", tmp_path / "users"
     elsewhere.mkdir()
@@ -112,8 +119,11 @@ def test_a_linked_build_directory_is_refused_and_nothing_is_written_through_it(t
 
 
 @needs_kernels
-def test_a_bf16_engine_multiplies_with_the_kernels_and_matches_torchs_products(monkeypatch):
+@pytest.mark.parametrize("isa", BF16_ISAS)
+def test_a_bf16_engine_multiplies_with_the_kernels_and_matches_torchs_products(monkeypatch, isa):
     from astrai.infer.fused import FusedModel
+
+    monkeypatch.setitem(native._STATE, "kernels", native.Kernels(isa, KERNELS.int8_isa, "test"))
     from astrai.model.config import ModelConfig
     from astrai.model.transformer import CausalLM
 
