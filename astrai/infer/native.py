@@ -143,6 +143,8 @@ def _build() -> None:
         if d.is_symlink():
             raise OSError(f"{d} is not a directory astrai made (a link)")
         d.mkdir(exist_ok=True)
+    if not (where / "astrai_cpu_gemv.so").exists():
+        print(f"astrai: building the CPU kernels once, into {where} (about 15 s)", file=sys.stderr, flush=True)
     load(name="astrai_cpu_gemv", sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"], build_directory=str(where),
          is_python_module=False, verbose=False)
 

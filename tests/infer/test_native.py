@@ -199,3 +199,13 @@ def test_decode_attention_is_sdpa_over_each_requests_slots(dtype):
         ref = F.scaled_dot_product_attention(q[b, :, None].double(), k, v, scale=0.1, enable_gqa=True)[:, 0]
         tol = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5  # bf16: the output's rounding
         assert ((out[b].double() - ref).abs() <= tol * ref.abs() + tol).all()
+
+
+@needs_kernels
+def test_a_first_build_says_so_and_a_later_start_loads_it_quietly(tmp_path):
+    code = "from astrai.infer import native; print(native.kernels() is not None)"
+    first, again = _run(code, tmp_path), _run(code, tmp_path)
+    assert first.stdout.strip() == again.stdout.strip() == "True", first.stderr
+    assert "building the CPU kernels once" in first.stderr and "building" not in again.stderr
+    [built] = (tmp_path / "kernels").iterdir()
+    assert built.name.startswith("cpu_gemv-") and (built / "astrai_cpu_gemv.so").is_file()
