@@ -41,8 +41,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from astrai.model.layers import MLP, Expert, RMSNorm, SparseMoE, at_least_float32, embed_scale
 from astrai.infer.native import rows_weight
+from astrai.model.layers import MLP, Expert, RMSNorm, SparseMoE, at_least_float32, embed_scale
 from astrai.model.lora import LoraLinear, merge_weight
 from astrai.model.rope import Rotary
 
