@@ -51,9 +51,9 @@ def main():
     if k is None or not k.int4:
         raise SystemExit("astrai's CPU kernels (int4: AVX-512) do not run here (see astrai.infer.native)")
     print(f"astrai kernels: {k.name}")
-    from astrai.model.quant import _torchao
+    from astrai.model import quant
 
-    _, tu = _torchao()
+    _, tu = quant._torchao()
     ws = [[torch.randn(o, i) for (i, o) in SHAPES] for _ in range(LAYERS)]
     bf = [[w.bfloat16() for w in lw] for lw in ws]
     q8 = []
@@ -65,9 +65,9 @@ def main():
     q4_torch, q4_astrai = [], []
     for lw in ws:
         for w in lw:
-            codes, sz = tu.groupwise_affine_quantize_tensor(w, 4, 32, torch.float32)
+            codes, sz = quant.int4_grid(w, 32, "bench")
             q4_torch.append((torch._convert_weight_to_int4pack_for_cpu(codes, 1), sz))
-            q4_astrai.append(native.int4_layout(w, 32))
+            q4_astrai.append(native.int4_layout(codes, sz))
     flat = [w for lw in bf for w in lw]
     nbytes = {"float32": sum(w.numel() * 4 for lw in ws for w in lw), "bf16": sum(w.numel() * 2 for w in flat),
               "int8": sum(w.numel() for lw in ws for w in lw)}

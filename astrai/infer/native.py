@@ -212,17 +212,14 @@ def rows_weight(ws: list[torch.Tensor], into: Optional[RowsWeight] = None) -> Op
     return RowsWeight(torch.cat(ws).contiguous(), k)
 
 
-def int4_layout(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes uint8 [N, K / 2], scales [N, G], offsets [N, G]) of w [N, K] quantized as astrai.model.quant's
-    int4 (torchao's `groupwise_affine_quantize_tensor`, asymmetric, groups of `group` = 32 columns): the
-    same 4-bit codes q and the same dequantized values w = scale * (q - 8) + zero = scale * q + offset,
-    each group's byte j holding q[j] (low nibble) and q[j + 16] (high), for `gemv_int4`."""
-    from astrai.model.quant import _torchao
-
-    _, tu = _torchao()
-    n, k = w.shape
-    q, scales_zeros = tu.groupwise_affine_quantize_tensor(w.float().cpu(), 4, group, torch.float32)
-    q = q.to(torch.uint8).view(n, k // group, 2, group // 2)
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    scale, zero = scales_zeros[..., 0].t().contiguous(), scales_zeros[..., 1].t().contiguous()  # [N, G]
-    return codes, scale, (zero - 8 * scale).contiguous()
+def int4_layout(codes: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 [N, K / 2], scales [N, G], offsets [N, G]) for `gemv_int4`, from astrai.model.quant's int4
+    grid (`int4_grid`: codes q [N, K] in 0..15, scales_zeros [G, N, 2], groups of 32 columns): the same codes
+    and the same dequantized values w = scale * (q - 8) + zero = scale * q + offset, each group's byte j
+    holding q[j] (low nibble) and q[j + 16] (high)."""
+    n, k = codes.shape
+    g = scales_zeros.shape[0]
+    q = codes.to(torch.uint8).view(n, g, 2, k // g // 2)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    scale, zero = scales_zeros[..., 0].t().float().contiguous(), scales_zeros[..., 1].t().float().contiguous()
+    return packed, scale, (zero - 8 * scale).contiguous()

@@ -13,7 +13,11 @@
     experts     the router's weight, gate/up stacked [E, H, 2I] and down [E, I, H] (input-major), and
                 the routing rule (top k, renormalised or not, weights cast back or kept in float32)
 
-and the embedding, the final norm and the LM head (a transposed contiguous copy on the CPU: MKL
+bf16 weights on a CPU where astrai's kernels are built are held [out, in] instead (astrai.infer.native's
+RowsWeight: q/k/v and gate/up concatenated, o, down and the head the model's own tensors), the layout those
+kernels stream; larger steps multiply them by oneDNN's product.
+
+The embedding, the final norm and the LM head (a transposed contiguous copy on the CPU: MKL
 streams [hidden, vocab] faster for the few rows of a decode step). On one thread input-major is the
 layout MKL's matrix-vector product streams fastest at one or two tokens per step; from 4 to 32 rows (a
 batch of decoding requests, a short chunk) the model's own [out, in] weights are the faster layout, so
@@ -178,8 +182,9 @@ def _experts(moe: SparseMoE, where: str, prev: Optional[Experts]) -> Experts:
 
 
 def _projection(parts, into, quantize: Optional[str], name: str):
-    """(weight, bias) of a packed projection: the input-major copy, or a QuantizedWeight of `quantize`
-    (astrai.infer.quantized) with the same concatenated biases."""
+    """(weight, bias) of a packed projection: the input-major copy; bf16 weights on a CPU with astrai's
+    kernels as a RowsWeight ([out, in], astrai.infer.native); or a QuantizedWeight of `quantize`
+    (astrai.infer.quantized); with the same concatenated biases."""
     if quantize is None:
         rows = rows_weight([p[0] for p in parts], into)
         if rows is not None:  # bf16 on a CPU with astrai's kernels: [out, in], see astrai.infer.native

@@ -83,10 +83,11 @@ class Int4Weight(QuantizedWeight):
 
     kind = "int4"
 
-    def __init__(self, layer: quant.QuantizedLinear, w: torch.Tensor):
+    def __init__(self, layer: quant.QuantizedLinear, grid: tuple[torch.Tensor, torch.Tensor]):
+        """`grid`: the layer's codes and scales (quant.int4_grid), quantized once for both layouts."""
         super().__init__(layer)
-        k = native.kernels() if w.device.type == "cpu" else None
-        self.kernels, self.packed = (k, native.int4_layout(w, INT4_GROUP)) if k and k.int4 else (None, None)
+        k = native.kernels() if layer.codes.device.type == "cpu" else None
+        self.kernels, self.packed = (k, native.int4_layout(*grid)) if k and k.int4 else (None, None)
 
     def product(self, a: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.kernels is None or a.dtype != torch.float32:
@@ -106,7 +107,8 @@ def quantize_weight(parts: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]]
     if kind == "int8":
         return Int8Weight(quant.Int8Linear(shell, name))
     if kind == "int4":
-        return Int4Weight(quant.Int4Linear(shell, name, INT4_GROUP), w)
+        grid = quant.int4_grid(w, INT4_GROUP, name)
+        return Int4Weight(quant.Int4Linear(shell, name, INT4_GROUP, grid), grid)
     raise quant.QuantError(f"{name}: unknown quantization {kind!r}; choose one of {', '.join(KINDS)}")
 
 

@@ -1,7 +1,8 @@
-// Few-row products of the CPU engine's decode steps: y [M, N] = x [M, K] @ W[N, K]^T, W in bfloat16 or
-// int8 (one float32 scale per output row), for M of a handful of rows (a decode step of one or a few
-// requests). Built at first use by astrai.infer.native (torch.utils.cpp_extension) and registered as
-// the torch operators astrai::gemv_bf16 and astrai::gemv_int8.
+// Few-row products of the CPU engine's decode steps: y [M, N] = x [M, K] @ W[N, K]^T, W in bfloat16, int8
+// (one float32 scale per output row) or int4 (a scale and an offset per group of 32 input columns), for M
+// of a handful of rows (a decode step of one or a few requests). Built at first use with cpu_decode.cpp by
+// astrai.infer.native (torch.utils.cpp_extension) and registered as the torch operators
+// astrai::gemv_bf16, astrai::gemv_int8 and astrai::gemv_int4.
 //
 // Why: at one row a step is a stream of the weights through the cores, and torch's bf16 and int8
 // one-row kernels (oneDNN's, _weight_int8pack_mm) run far below the memory's speed on a 2-core CPU
@@ -29,9 +30,10 @@ namespace {
 
 constexpr int64_t NR = 4;  // output rows per tile
 constexpr int64_t MR = 4;  // rows of x per pass over a tile
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 32
-#endif
+// each weight load also prefetches the same line 32 rows on (eight tiles ahead): without it the 30 layers' bf16
+// products of SmolLM2 took 12.1 ms a step on a 2-core Sapphire Rapids, with it 8.3-9.9 ms for distances of
+// 4 to 32 rows (within that machine's noise; bench/RESULTS.md)
+constexpr int64_t PREFETCH_ROWS = 32;
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -43,12 +45,24 @@ inline float bf16_to_float(uint16_t v) {
 // ---------------------------------------------------------------- AVX-512
 // Tiles are templates on their row counts, so the M x N accumulators stay in registers.
 
+template <int M, int N>
+__attribute__((target("avx512f"))) inline void zero_512(__m512 (&acc)[M][N]) {
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < N; ++r) acc[m][r] = _mm512_setzero_ps();
+}
+
+// out[m, r] = the lanes of acc[m][r] added, converted to Out (bf16: rounded to nearest even)
+template <int M, int N, typename Out>
+__attribute__((target("avx512f"))) inline void store_512(__m512 (&acc)[M][N], Out* out, int64_t ldo) {
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < N; ++r) out[m * ldo + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[m][r]));
+}
+
 template <int M, int N, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 void bf16_tile_512(const uint16_t* x, int64_t K, const uint16_t* w, Out* out, int64_t ldo) {
   __m512 acc[M][N];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < N; ++r) acc[m][r] = _mm512_setzero_ps();
+  zero_512(acc);
   for (int64_t k = 0; k < K; k += 32) {
     const int64_t left = K - k;
     const __mmask32 mask = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
@@ -62,16 +76,14 @@ void bf16_tile_512(const uint16_t* x, int64_t K, const uint16_t* w, Out* out, in
       for (int r = 0; r < N; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < N; ++r) out[m * ldo + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[m][r]));
+  store_512(acc, out, ldo);
 }
 
 template <int M, int N>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void int8_tile_512(const float* x, int64_t K, const int8_t* w, float* out, int64_t ldo) {
   __m512 acc[M][N];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < N; ++r) acc[m][r] = _mm512_setzero_ps();
+  zero_512(acc);
   for (int64_t k = 0; k < K; k += 16) {
     const int64_t left = K - k;
     const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
@@ -85,8 +97,7 @@ void int8_tile_512(const float* x, int64_t K, const int8_t* w, float* out, int64
       for (int r = 0; r < N; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < N; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m][r]);
+  store_512(acc, out, ldo);
 }
 
 // int4, groups of 32 input columns: codes [N, K / 2] bytes, byte j of a group holding q[k = j] (low nibble)
@@ -98,8 +109,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl")))
 void int4_tile_512(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* out, int64_t ldo) {
   const int64_t G = K / 32, row_bytes = K / 2;
   __m512 acc[M][N];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < N; ++r) acc[m][r] = _mm512_setzero_ps();
+  zero_512(acc);
   const __m512i low4 = _mm512_set1_epi32(0xf);
   for (int64_t g = 0; g < G; ++g) {
     __m512 lo[N], hi[N];
@@ -118,8 +128,7 @@ void int4_tile_512(const float* x, int64_t K, const uint8_t* codes, const float*
       }
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < N; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m][r]);
+  store_512(acc, out, ldo);
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA

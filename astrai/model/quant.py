@@ -211,13 +211,12 @@ class Int8Linear(QuantizedLinear):
 class Int4Linear(QuantizedLinear):
     kind = "int4"
 
-    def __init__(self, linear: nn.Linear, name: str, group_size: int = INT4_GROUP):
+    def __init__(self, linear: nn.Linear, name: str, group_size: int = INT4_GROUP, grid=None):
+        """`grid`: `int4_grid(linear.weight, group_size, name)` when the caller made it already."""
         super().__init__(linear)
-        _, tu = _torchao()
         w = linear.weight.detach()
-        _check_shape(name, tuple(w.shape), "int4", group_size)
         self.group_size = group_size
-        codes, scales_zeros = tu.groupwise_affine_quantize_tensor(w.float().cpu(), 4, group_size, torch.float32)
+        codes, scales_zeros = int4_grid(w, group_size, name) if grid is None else grid
         self.register_buffer("codes", torch._convert_weight_to_int4pack_for_cpu(codes, 1).to(w.device))
         self.register_buffer("scales_zeros", scales_zeros.to(device=w.device, dtype=w.dtype))
 
@@ -235,6 +234,15 @@ class Int4Linear(QuantizedLinear):
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
         w = torch._weight_int4pack_mm_for_cpu(eye, self.codes.cpu(), self.group_size, self.scales_zeros.cpu())
         return w.T.contiguous().to(self.codes.device)
+
+
+def int4_grid(w: torch.Tensor, group_size: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [out, in] in 0..15, scales_zeros [in / group_size, out, 2] float32) of w [out, in] quantized
+    as int4 (torchao's `groupwise_affine_quantize_tensor`: w ~ scale * (q - 8) + zero); a shape the CPU
+    packing cannot hold is refused naming `name` (QuantError)."""
+    _check_shape(name, tuple(w.shape), "int4", group_size)
+    _, tu = _torchao()
+    return tu.groupwise_affine_quantize_tensor(w.detach().float().cpu(), 4, group_size, torch.float32)
 
 
 def _check_divides(name: str, size: int, unit: int, what: str):

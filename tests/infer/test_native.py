@@ -69,7 +69,7 @@ def test_int4_product_multiplies_the_weights_torch_dequantizes(m):
     shell = nn.Linear(96, 48, bias=False)
     shell.weight.data = w
     deq = quant.Int4Linear(shell, "t", 32).dequantize().double()  # torch's reading of the same codes
-    codes, scales, offsets = native.int4_layout(w, 32)
+    codes, scales, offsets = native.int4_layout(*quant.int4_grid(w, 32, "t"))
     x = torch.randn(m, 96, generator=g)
     ref = x.double() @ deq.t()
     y = torch.ops.astrai.gemv_int4(x, codes, scales, offsets)
