@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.infer import native
+from astrai.infer.native_layer import layer_spec
 from astrai.infer.packed import OWN_ROWS, Experts, Layer, pack
 from astrai.model.layers import activation, at_least_float32, route
 
@@ -86,11 +87,13 @@ class FusedModel:
         self.stream: Optional[torch.dtype] = torch.float32 if half else None
         cpu = self.packed.embed.device.type == "cpu" and self.wdtype in (torch.float32, torch.bfloat16)
         self.norm_kernel = cpu and native.kernels() is not None  # `norm_in`
+        # each layer as one operator of astrai's kernels in a CPU decode step (astrai.infer.native_layer), or None
+        self.native = [layer_spec(w, self) for w in self.layers]
         self.builds += 1
 
     def release(self) -> None:
         """Drop the packed copies (the engine sleeps); `rebuild` makes them again."""
-        self.packed, self.layers = None, []
+        self.packed, self.layers, self.native = None, [], []
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.offset)
@@ -132,6 +135,11 @@ class FusedModel:
 
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        spec = self.native[i] if self.native else None
+        if spec is not None and t <= native.GEMV_ROWS and self.lora is None and hasattr(ctx, "native_plan"):
+            y = self._native_layer(i, w, spec, x, position_ids, ctx)
+            if y is not None:
+                return y
         lora = self.lora  # LoRA adapters' terms, added to each projection group's output
         h = self.norm_in(x, w.attn_norm)
         parts = split_parts(h, self.threads)  # h: in the weights' dtype, which decides
@@ -175,6 +183,18 @@ class FusedModel:
             act = self.act(gu[:, :inter]).mul_(gu[:, inter:])
         return self._residual(x, act, w.down_t, w.down_b, w.ffn_out_norm,
                               lora and lora[0].delta(i, "down", act, lora[1]), parts)
+
+    def _native_layer(self, i: int, w: Layer, spec, x, position_ids, ctx) -> Optional[torch.Tensor]:
+        """The layer as astrai's one CPU operator (astrai.infer.native_layer), or None where the step's attention
+        or tables are not the operator's (then the Python layer runs)."""
+        plan = ctx.native_plan(i, w.window)
+        if plan is None or plan[0].dtype != spec.dtype:
+            return None
+        tables = ctx.rope_tables(position_ids, w.rope)
+        if tables is None or tables[0].dtype != spec.dtype:
+            return None
+        scale = self.d ** -0.5 if self.scale is None else self.scale
+        return torch.ops.astrai.decode_layer(x.contiguous(), spec.tensors, spec.cfg, [self.eps, scale], *plan, *tables)
 
     def _residual(self, x, a, weight_t, bias, out_norm, extra=None, parts=1):
         """x + (a @ weight_t + bias + extra), the branch normalised first where the family does (Gemma);

@@ -46,7 +46,9 @@ from astrai.errors import InputError
 from astrai.runtime.hardware import cpu_flags
 
 # beside the CUDA sources: the products, and the decode step's norm, RoPE and attention
-SOURCES = [Path(__file__).resolve().parents[1] / "kernels" / name for name in ("cpu_gemv.cpp", "cpu_decode.cpp")]
+SOURCES = [Path(__file__).resolve().parents[1] / "kernels" / name
+           for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_layer.cpp")]
+HEADER = SOURCES[0].parent / "cpu_kernels.h"  # what cpu_layer.cpp calls of the other two
 GEMV_ROWS = 4  # steps of up to this many rows use the kernels (bench/RESULTS.md: level with torch's from ~8)
 # instruction sets of the kernels' `isa` argument: AVX2 + FMA, or AVX-512 (bf16: AVX-512 BF16; int8: AVX-512F)
 ISA_AVX2, ISA_AVX512 = 1, 2
@@ -125,7 +127,7 @@ def _load() -> Optional[Kernels]:
 
 def build_dir() -> Path:
     """Where the kernels of this source and torch version are built (inside astrai's cache)."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, HEADER]) + torch.__version__.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu_gemv-{digest}"
 
 

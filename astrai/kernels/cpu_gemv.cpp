@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 constexpr int64_t NR = 4;  // output rows per tile
@@ -223,40 +225,87 @@ void with_rows(int64_t mr, int64_t nr, F&& f) {
   }
 }
 
-// runs tile(m0, m_rows, n0, n_rows, out + m0 * N + n0) over the output, threads splitting N
+// runs tile(m0, m_rows, n0, n_rows, out + m0 * ldo + n0) over the output, threads splitting N
 template <typename Out, typename Tile>
-void over_tiles(int64_t M, int64_t N, Out* out32, Tile tile) {
+void over_tiles(int64_t M, int64_t N, Out* out, int64_t ldo, Tile tile) {
   const int64_t tiles = (N + NR - 1) / NR;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
       const int64_t m_rows = std::min(MR, M - m0);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * NR;
-        tile(m0, m_rows, n0, std::min(NR, N - n0), out32 + m0 * N + n0);
+        tile(m0, m_rows, n0, std::min(NR, N - n0), out + m0 * ldo + n0);
       }
     }
   });
 }
+
+}  // namespace
+
+namespace astrai {
+
+void gemv_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t N, at::BFloat16* out,
+                    int64_t ldo, int64_t isa) {
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w);
+  if (isa >= 2) {
+    over_tiles(M, N, out, ldo, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, at::BFloat16* o) {
+      with_rows(mr, nr, [&]<int M_, int N_>() { bf16_tile_512<M_, N_>(xp + m0 * K, K, wp + n0 * K, o, ldo); });
+    });
+  } else {
+    std::vector<float> xf(M * K);  // x widened once
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xp[i]);
+    const float* xfp = xf.data();
+    over_tiles(M, N, out, ldo, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, at::BFloat16* o) {
+      with_rows(mr, nr, [&]<int M_, int N_>() { tile_256<M_, N_>(xfp + m0 * K, K, Bf16Rows{wp + n0 * K, K}, o, ldo); });
+    });
+  }
+}
+
+void gemv_int8_into(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N, float* out,
+                    int64_t ldo, int64_t isa) {
+  over_tiles(M, N, out, ldo, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
+    if (isa >= 2) {
+      with_rows(mr, nr, [&]<int M_, int N_>() { int8_tile_512<M_, N_>(x + m0 * K, K, w + n0 * K, o, ldo); });
+    } else {
+      with_rows(mr, nr, [&]<int M_, int N_>() { tile_256<M_, N_>(x + m0 * K, K, Int8Rows{w + n0 * K, K}, o, ldo); });
+    }
+    for (int64_t m = 0; m < mr; ++m)
+      for (int64_t r = 0; r < nr; ++r) o[m * ldo + r] *= scales[n0 + r];
+  });
+}
+
+void gemv_int4_into(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* scales,
+                    const float* offsets, int64_t N, float* out, int64_t ldo) {
+  const int64_t G = K / 32;
+  std::vector<float> xs(M * G, 0.f);  // [M, G]: each group's sum of x, for the offsets
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xs[m * G + k / 32] += x[m * K + k];
+  const float* xsp = xs.data();
+  over_tiles(M, N, out, ldo, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
+    with_rows(mr, nr, [&]<int M_, int N_>() {
+      int4_tile_512<M_, N_>(x + m0 * K, K, codes + n0 * (K / 2), scales + n0 * G, o, ldo);
+    });
+    for (int64_t m = 0; m < mr; ++m)
+      for (int64_t r = 0; r < nr; ++r) {
+        float add = 0.f;
+        for (int64_t g = 0; g < G; ++g) add += offsets[(n0 + r) * G + g] * xsp[(m0 + m) * G + g];
+        o[m * ldo + r] += add;
+      }
+  });
+}
+
+}  // namespace astrai
+
+namespace {
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, int64_t isa, int64_t max_rows) {
   check(x, w, at::kBFloat16, at::kBFloat16, "astrai::gemv_bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   if (M > max_rows) return at::linear(x, w);  // many rows: torch's blocked product (oneDNN, AMX) reuses W better
   at::Tensor out = at::empty({M, N}, x.options());  // each sum rounded to nearest even, once, as it is stored
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  if (isa >= 2) {
-    over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, at::BFloat16* o) {
-      with_rows(mr, nr, [&]<int M_, int N_>() { bf16_tile_512<M_, N_>(xp + m0 * K, K, wp + n0 * K, o, N); });
-    });
-  } else {
-    at::Tensor xf = x.to(at::kFloat);
-    const float* xfp = xf.data_ptr<float>();
-    over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, at::BFloat16* o) {
-      with_rows(mr, nr, [&]<int M_, int N_>() { tile_256<M_, N_>(xfp + m0 * K, K, Bf16Rows{wp + n0 * K, K}, o, N); });
-    });
-  }
+  astrai::gemv_bf16_into(x.data_ptr<at::BFloat16>(), M, K, w.data_ptr<at::BFloat16>(), N, out.data_ptr<at::BFloat16>(),
+                         N, isa);
   return out;
 }
 
@@ -266,19 +315,8 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
               "astrai::gemv_int8: scales float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  float* op = out.data_ptr<float>();
-  const float* sp = scales.data_ptr<float>();
-  over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
-    if (isa >= 2) {
-      with_rows(mr, nr, [&]<int M_, int N_>() { int8_tile_512<M_, N_>(xp + m0 * K, K, wp + n0 * K, o, N); });
-    } else {
-      with_rows(mr, nr, [&]<int M_, int N_>() { tile_256<M_, N_>(xp + m0 * K, K, Int8Rows{wp + n0 * K, K}, o, N); });
-    }
-    for (int64_t m = 0; m < mr; ++m)
-      for (int64_t r = 0; r < nr; ++r) o[m * N + r] *= sp[n0 + r];
-  });
+  astrai::gemv_int8_into(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), scales.data_ptr<float>(), N,
+                         out.data_ptr<float>(), N, isa);
   return out;
 }
 
@@ -293,24 +331,8 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(),
               "astrai::gemv_int4: contiguous tensors only");
   at::Tensor out = at::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *sp = scales.data_ptr<float>(), *fp = offsets.data_ptr<float>();
-  std::vector<float> xs(M * G, 0.f);  // [M, G]: each group's sum of x, for the offsets
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xs[m * G + k / 32] += xp[m * K + k];
-  const float* xsp = xs.data();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  over_tiles(M, N, op, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
-    with_rows(mr, nr, [&]<int M_, int N_>() {
-      int4_tile_512<M_, N_>(xp + m0 * K, K, cp + n0 * (K / 2), sp + n0 * G, o, N);
-    });
-    for (int64_t m = 0; m < mr; ++m)
-      for (int64_t r = 0; r < nr; ++r) {
-        float add = 0.f;
-        for (int64_t g = 0; g < G; ++g) add += fp[(n0 + r) * G + g] * xsp[(m0 + m) * G + g];
-        o[m * N + r] += add;
-      }
-  });
+  astrai::gemv_int4_into(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                         offsets.data_ptr<float>(), N, out.data_ptr<float>(), N);
   return out;
 }
 

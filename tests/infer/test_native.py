@@ -183,17 +183,19 @@ def test_rope_in_place_rotates_as_the_torch_formula(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", INT8_ISAS)
+@pytest.mark.parametrize("d", [64, 48])  # 64: AVX-512's register path; 48: the general loops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_is_sdpa_over_each_requests_slots(dtype):
+def test_decode_attention_is_sdpa_over_each_requests_slots(dtype, d, isa):
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(6)
-    s, hkv, d, hq = 80, 3, 64, 9
+    s, hkv, hq = 80, 3, 9
     kc, vc = (torch.randn(s, hkv, d, generator=g).to(dtype) for _ in range(2))
     slots = torch.randperm(s, generator=g)[:3 * 25].view(3, 25)
     counts = torch.tensor([25, 1, 13])  # the first counts[b] slots of each row are the request's
     q = torch.randn(3, hq, d, generator=g).to(dtype)
-    out = torch.ops.astrai.decode_attention(q, kc, vc, slots, counts, 0.1)
+    out = torch.ops.astrai.decode_attention(q, kc, vc, slots, counts, 0.1, isa)
     for b, n in enumerate(counts.tolist()):
         k, v = (c[slots[b, :n]].transpose(0, 1).double() for c in (kc, vc))
         ref = F.scaled_dot_product_attention(q[b, :, None].double(), k, v, scale=0.1, enable_gqa=True)[:, 0]

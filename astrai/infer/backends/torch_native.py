@@ -171,6 +171,19 @@ class TorchBackend(AttentionBackend):
         meta.scratch[key] = plan
         return plan
 
+    def native_plan(self, layer: int, meta: AttentionMeta, window=None):
+        """(k_cache, v_cache, slots [B, L], counts [B]) of a decode step's padded plan for astrai's whole-layer
+        CPU operator (astrai.infer.native_layer), or None where the step runs another plan or no kernels."""
+        if not self.cpu_kernel:
+            return None
+        plan = self._decode_plan(meta, window)
+        if plan[0] != "padded":
+            return None
+        if not plan[1].is_contiguous():  # made contiguous once per step, kept in the plan for the other layers
+            plan = (plan[0], plan[1].contiguous(), *plan[2:])
+            meta.scratch["torch_decode" if window is None else ("torch_decode", window)] = plan
+        return self.k_cache[layer], self.v_cache[layer], plan[1], plan[3]
+
     def _gather(self, layer: int, slots: torch.Tensor):
         """K and V at slots [B, L] -> [B, Hkv, L, D] each. index_select on the flat slots, which
         CPU torch runs faster than advanced indexing with a 2-D index."""
@@ -194,7 +207,7 @@ class TorchBackend(AttentionBackend):
             # astrai's CPU kernel reads the K/V through the slots (no gathered copy); the same softmax
             d = q.shape[-1]
             return torch.ops.astrai.decode_attention(q, self.k_cache[layer], self.v_cache[layer], slots, counts,
-                                                     d ** -0.5 if scale is None else scale)
+                                                     d ** -0.5 if scale is None else scale, native.kernels().int8_isa)
         k, v = self._gather(layer, slots)  # [B, Hkv, max_kv, D]
         o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=q.shape[1] != k.shape[1])

@@ -1,0 +1,30 @@
+// The CPU kernels' entry points that astrai/kernels/cpu_layer.cpp composes into a whole decode layer: the
+// products of cpu_gemv.cpp and the norm, RoPE and attention of cpu_decode.cpp, on raw pointers (no tensor is
+// made per call). Each writes rows `ldo` elements apart (a column block of a wider output).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cstdint>
+
+namespace astrai {
+
+// y [M, N] (rows ldo apart) = x [M, K] @ W^T, W [N, K]; isa 2: AVX-512 (bf16: AVX-512 BF16), 1: AVX2 + FMA
+void gemv_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t N, at::BFloat16* out,
+                    int64_t ldo, int64_t isa);
+void gemv_int8_into(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N, float* out,
+                    int64_t ldo, int64_t isa);
+// AVX-512F only
+void gemv_int4_into(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* scales,
+                    const float* offsets, int64_t N, float* out, int64_t ldo);
+
+// out [T, H] (bf16 when to_bf16, else float32) = x * rsqrt(mean(x^2) + eps) * w, w float32 or bf16 [H]
+void rms_norm_into(const float* x, const at::Tensor& w, int64_t T, int64_t H, float eps, void* out, bool to_bf16);
+// RoPE in place on x [T, Hd, D] (strides st, sh; rows contiguous), cos and sin_signed [T, D] of x's dtype
+void rope_into(void* x, bool bf16, int64_t T, int64_t Hd, int64_t D, int64_t st, int64_t sh, const void* cos,
+               const void* sin);
+// out [B, Hq * D] = attention of q [B, Hq * D] (rows ldq apart) over the caches through slots [B, L], counts [B]
+void decode_attention_into(const void* q, int64_t ldq, int64_t B, int64_t Hq, int64_t D, const at::Tensor& kc,
+                           const at::Tensor& vc, const int64_t* slots, const int64_t* counts, int64_t L, float scale,
+                           void* out, int64_t isa);
+
+}  // namespace astrai
