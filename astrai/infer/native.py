@@ -9,6 +9,8 @@ float32 additions.
 
 - `gemv_bf16(x, w)`: x [M, K] bf16 @ w [N, K]^T bf16 -> [M, N] bf16 (float32 sums, rounded once);
   AVX-512 BF16's VDPBF16PS where the CPU has it, else bf16 widened to float32 under AVX2 + FMA.
+- `torch.ops.astrai.gemv_f32(x, w, isa, max_rows)`: float32 x [M, K] @ w [N, K]^T, the float32 projections of
+  astrai.infer.native_layer's operator (AVX-512F or AVX2 + FMA).
 - `gemv_int8(x, w, scales)`: x [M, K] float32 @ (w [N, K] int8 * scales [N])^T -> [M, N] float32, as
   torch's `_weight_int8pack_mm` (AVX-512F or AVX2).
 - `gemv_int4(x, codes, scales, offsets)`: float32 x @ the int4 weights of `int4_layout` (AVX-512F only).
@@ -162,6 +164,10 @@ def _build() -> None:
     @torch.library.register_fake("astrai::rms_norm_cast")
     def _(x, w, eps, to_bf16):
         return x.new_empty(x.shape, dtype=torch.bfloat16 if to_bf16 else torch.float32)
+
+    @torch.library.register_fake("astrai::gemv_f32")
+    def _(x, w, isa, max_rows):
+        return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("astrai::gemv_int8")
     def _(x, w, scales, isa):

@@ -12,7 +12,7 @@ per pack, or None where it does not apply: no kernels on this CPU, a sparse (exp
 than silu and Gemma's tanh GELU, or projections not all of one kind:
 
     float32   the model's own [out, in] weights (q, k, v as three parts, gate and up as two; no copy),
-              multiplied by MKL (at::linear; astrai's own float32 kernel streamed them 15-20% slower)
+              multiplied by astrai's `gemv_f32`
     bf16      the packed RowsWeight's (astrai.infer.native), `gemv_bf16`
     int8      astrai.infer.quantized's Int8Weight: codes and per-row scales, `gemv_int8`
     int4      Int4Weight's kernel layout (AVX-512 only), `gemv_int4`

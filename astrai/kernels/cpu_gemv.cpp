@@ -36,6 +36,8 @@ constexpr int64_t MR = 4;  // rows of x per pass over a tile
 // products of SmolLM2 took 12.1 ms a step on a 2-core Sapphire Rapids, with it 8.3-9.9 ms for distances of
 // 4 to 32 rows (within that machine's noise; bench/RESULTS.md)
 constexpr int64_t PREFETCH_ROWS = 32;
+// float32 rows are twice as long: 8 rows ahead
+constexpr int64_t PREFETCH_ROWS_F32 = 8;
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -76,6 +78,25 @@ void bf16_tile_512(const uint16_t* x, int64_t K, const uint16_t* w, Out* out, in
     for (int m = 0; m < M; ++m) {
       const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + m * K + k);
       for (int r = 0; r < N; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  store_512(acc, out, ldo);
+}
+
+template <int M, int N>
+__attribute__((target("avx512f")))
+void f32_tile_512(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
+  __m512 acc[M][N];
+  zero_512(acc);
+  for (int64_t k = 0; k < K; k += 16) {
+    const int64_t left = K - k;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+    for (int r = 0; r < N; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS_F32) * K + k), _MM_HINT_T0);
+      const __m512 wv = _mm512_maskz_loadu_ps(mask, w + r * K + k);
+      for (int m = 0; m < M; ++m) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
     }
   }
   store_512(acc, out, ldo);
@@ -182,6 +203,15 @@ struct Bf16Rows {  // rows of bf16 weights from `w`, K each
   float at(int64_t r, int64_t k) const { return bf16_to_float(w[r * K + k]); }
 };
 
+struct F32Rows {
+  const float* w;
+  int64_t K;
+  static constexpr int64_t per_line = 15;
+  const float* row(int64_t r) const { return w + r * K; }
+  __attribute__((target("avx2,fma"))) __m256 load(int64_t r, int64_t k) const { return _mm256_loadu_ps(w + r * K + k); }
+  float at(int64_t r, int64_t k) const { return w[r * K + k]; }
+};
+
 struct Int8Rows {
   const int8_t* w;
   int64_t K;
@@ -262,6 +292,17 @@ void gemv_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloa
   }
 }
 
+void gemv_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* out, int64_t ldo,
+                   int64_t isa) {
+  over_tiles(M, N, out, ldo, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
+    if (isa >= 2) {
+      with_rows(mr, nr, [&]<int M_, int N_>() { f32_tile_512<M_, N_>(x + m0 * K, K, w + n0 * K, o, ldo); });
+    } else {
+      with_rows(mr, nr, [&]<int M_, int N_>() { tile_256<M_, N_>(x + m0 * K, K, F32Rows{w + n0 * K, K}, o, ldo); });
+    }
+  });
+}
+
 void gemv_int8_into(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N, float* out,
                     int64_t ldo, int64_t isa) {
   over_tiles(M, N, out, ldo, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr, float* o) {
@@ -309,6 +350,15 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, int64_t isa, int6
   return out;
 }
 
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w, int64_t isa, int64_t max_rows) {
+  check(x, w, at::kFloat, at::kFloat, "astrai::gemv_f32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M > max_rows) return at::linear(x, w);
+  at::Tensor out = at::empty({M, N}, x.options());
+  astrai::gemv_f32_into(x.data_ptr<float>(), M, K, w.data_ptr<float>(), N, out.data_ptr<float>(), N, isa);
+  return out;
+}
+
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t isa) {
   check(x, w, at::kFloat, at::kChar, "astrai::gemv_int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == w.size(0) && scales.is_contiguous(),
@@ -340,12 +390,14 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 TORCH_LIBRARY(astrai, m) {
   m.def("gemv_bf16(Tensor x, Tensor w, int isa, int max_rows) -> Tensor");
+  m.def("gemv_f32(Tensor x, Tensor w, int isa, int max_rows) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor w, Tensor scales, int isa) -> Tensor");
   m.def("gemv_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("gemv_f32", &gemv_f32);
   m.impl("gemv_int8", &gemv_int8);
   m.impl("gemv_int4", &gemv_int4);
 }

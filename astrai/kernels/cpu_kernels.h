@@ -11,6 +11,8 @@ namespace astrai {
 // y [M, N] (rows ldo apart) = x [M, K] @ W^T, W [N, K]; isa 2: AVX-512 (bf16: AVX-512 BF16), 1: AVX2 + FMA
 void gemv_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t N, at::BFloat16* out,
                     int64_t ldo, int64_t isa);
+void gemv_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* out, int64_t ldo,
+                   int64_t isa);
 void gemv_int8_into(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N, float* out,
                     int64_t ldo, int64_t isa);
 // AVX-512F only

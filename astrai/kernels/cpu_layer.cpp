@@ -146,10 +146,8 @@ struct Layer {
                   "astrai::decode_layer: a weight of another shape than its input");
       if constexpr (std::is_same<T_, at::BFloat16>::value) {
         astrai::gemv_bf16_into(in, T, K, w.data_ptr<at::BFloat16>(), n, out + col, N, bf16_isa);
-      } else if (kind == F32) {  // MKL's product (faster than gemv_f32 on float32 rows: bench/RESULTS.md)
-        const at::Tensor y = at::linear(at::from_blob(const_cast<float*>(in), {T, K}, at::kFloat), w);
-        const float* yp = y.data_ptr<float>();
-        for (int64_t r = 0; r < T; ++r) std::memcpy(out + r * N + col, yp + r * n, n * sizeof(float));
+      } else if (kind == F32) {
+        astrai::gemv_f32_into(in, T, K, w.data_ptr<float>(), n, out + col, N, int8_isa);
       } else if (kind == INT8) {
         astrai::gemv_int8_into(in, T, K, w.data_ptr<int8_t>(), get(at_ + 1).data_ptr<float>(), n, out + col, N,
                                int8_isa);

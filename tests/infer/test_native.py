@@ -46,6 +46,18 @@ def test_bf16_product_is_the_float64_product_rounded_once(isa, m, k, n):
 @needs_kernels
 @pytest.mark.parametrize("isa", INT8_ISAS)
 @pytest.mark.parametrize("m, k, n", SHAPES)
+def test_float32_product_is_the_float64_product_to_float32_sums(isa, m, k, n):
+    g = torch.Generator().manual_seed(m * 31 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    ref = x.double() @ w.double().t()
+    y = torch.ops.astrai.gemv_f32(x, w, isa, 4)  # more than 4 rows: torch's product, the same contract
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert ((y.double() - ref).abs() <= _bound(x.double(), w.double(), ref, k)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", INT8_ISAS)
+@pytest.mark.parametrize("m, k, n", SHAPES)
 def test_int8_product_is_torchs_weight_only_product(isa, m, k, n):
     g = torch.Generator().manual_seed(m + k * 7 + n)
     x = torch.randn(m, k, generator=g)
