@@ -106,8 +106,8 @@ class AttentionBackend(ABC):
         cos, sin = rope.cos_sin(positions)
         return apply_rotary(q, k, cos, sin)
 
-    def native_plan(self, layer: int, meta: AttentionMeta, window: Optional[int] = None):
-        """The caches and read slots for astrai's whole-layer CPU operator (the torch backend's), or None."""
+    def native_plan(self, meta: AttentionMeta, window: Optional[int] = None):
+        """(read slots, counts) of a decode step for astrai's CPU layers operator (the torch backend's), or None."""
         return None
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

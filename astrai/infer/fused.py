@@ -87,13 +87,14 @@ class FusedModel:
         self.stream: Optional[torch.dtype] = torch.float32 if half else None
         cpu = self.packed.embed.device.type == "cpu" and self.wdtype in (torch.float32, torch.bfloat16)
         self.norm_kernel = cpu and native.kernels() is not None  # `norm_in`
-        # each layer as one operator of astrai's kernels in a CPU decode step (astrai.infer.native_layer), or None
+        # each layer's arguments to astrai's CPU layers operator for decode steps (astrai.infer.native_layer), or None
         self.native = [layer_spec(w, self) for w in self.layers]
+        self.native_all = bool(self.native) and all(s is not None for s in self.native)  # one call for the step
         self.builds += 1
 
     def release(self) -> None:
         """Drop the packed copies (the engine sleeps); `rebuild` makes them again."""
-        self.packed, self.layers, self.native = None, [], []
+        self.packed, self.layers, self.native, self.native_all = None, [], [], False
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.offset)
@@ -121,6 +122,10 @@ class FusedModel:
         """hidden [T, H] after the final norm, as CausalLM.forward returns it. `static`: no operation
         whose shapes depend on values (CUDA graph capture)."""
         x = self.embed(input_ids)
+        if self.native_all and self._native_step(x):
+            y = self._native_layers(x, position_ids, ctx, range(len(self.layers)))
+            if y is not None:
+                return self.norm_in(y, self.packed.norm)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, position_ids, ctx, static)
         return self.norm_in(x, self.packed.norm)
@@ -135,9 +140,8 @@ class FusedModel:
 
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
-        spec = self.native[i] if self.native else None
-        if spec is not None and t <= native.GEMV_ROWS and self.lora is None and hasattr(ctx, "native_plan"):
-            y = self._native_layer(i, w, spec, x, position_ids, ctx)
+        if self.native and self.native[i] is not None and self._native_step(x):  # a model of mixed layers
+            y = self._native_layers(x, position_ids, ctx, [i])
             if y is not None:
                 return y
         lora = self.lora  # LoRA adapters' terms, added to each projection group's output
@@ -184,17 +188,37 @@ class FusedModel:
         return self._residual(x, act, w.down_t, w.down_b, w.ffn_out_norm,
                               lora and lora[0].delta(i, "down", act, lora[1]), parts)
 
-    def _native_layer(self, i: int, w: Layer, spec, x, position_ids, ctx) -> Optional[torch.Tensor]:
-        """The layer as astrai's one CPU operator (astrai.infer.native_layer), or None where the step's attention
-        or tables are not the operator's (then the Python layer runs)."""
-        plan = ctx.native_plan(i, w.window)
-        if plan is None or plan[0].dtype != spec.dtype:
+    def _native_step(self, x: torch.Tensor) -> bool:
+        """Whether a step of x's rows may run astrai's CPU layers operator: a few rows, no adapters."""
+        return x.shape[0] <= native.GEMV_ROWS and self.lora is None
+
+    def _native_layers(self, x, position_ids, ctx, idx) -> Optional[torch.Tensor]:
+        """Layers `idx` (consecutive) as one call of astrai's CPU operator (astrai.infer.native_layer), or None where
+        the step's attention or RoPE is not the operator's (a prefill, another backend or plan: the Python layers
+        run then)."""
+        if not hasattr(ctx, "native_plan"):
             return None
-        tables = ctx.rope_tables(position_ids, w.rope)
-        if tables is None or tables[0].dtype != spec.dtype:
-            return None
+        plans, tensors, cfg = {}, [], []
+        k_cache, v_cache = ctx.native_caches()
+        ks, vs, slots, counts, cos, sin = [], [], [], [], [], []
+        for i in idx:
+            w, spec = self.layers[i], self.native[i]
+            if w.window not in plans:
+                plans[w.window] = ctx.native_plan(w.window)
+            plan, tables = plans[w.window], ctx.rope_tables(position_ids, w.rope)
+            if plan is None or tables is None or tables[0].dtype != spec.dtype or k_cache[i].dtype != spec.dtype:
+                return None
+            tensors += spec.tensors
+            cfg += spec.cfg
+            ks.append(k_cache[i])
+            vs.append(v_cache[i])
+            slots.append(plan[1])
+            counts.append(plan[2])
+            cos.append(tables[0])
+            sin.append(tables[1])
         scale = self.d ** -0.5 if self.scale is None else self.scale
-        return torch.ops.astrai.decode_layer(x.contiguous(), spec.tensors, spec.cfg, [self.eps, scale], *plan, *tables)
+        return torch.ops.astrai.decode_layers(x.contiguous(), tensors, cfg, [self.eps, scale], ks, vs, plans[w.window][0],
+                                              slots, counts, cos, sin)
 
     def _residual(self, x, a, weight_t, bias, out_norm, extra=None, parts=1):
         """x + (a @ weight_t + bias + extra), the branch normalised first where the family does (Gemma);

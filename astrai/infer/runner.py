@@ -46,13 +46,16 @@ class PagedContext(AttentionContext):
     def rotary(self, q, k, position_ids, rope):
         return self.backend.rotary(q, k, position_ids, rope)
 
-    def native_plan(self, layer_idx, window=None):
-        """(k_cache, v_cache, write slots, read slots, counts) of a decode step for astrai's whole-layer CPU
-        operator (astrai.infer.native_layer), or None: a prefill, or a backend or plan it does not run."""
+    def native_plan(self, window=None):
+        """(write slots, read slots, counts) of a decode step for astrai's CPU layers operator
+        (astrai.infer.native_layer), or None: a prefill, or a backend or plan it does not run."""
         if not self.decode:
             return None
-        plan = self.backend.native_plan(layer_idx, self.meta, window)
-        return None if plan is None else (plan[0], plan[1], self.slots, plan[2], plan[3])
+        plan = self.backend.native_plan(self.meta, window)
+        return None if plan is None else (self.slots, *plan)
+
+    def native_caches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.backend.k_cache, self.backend.v_cache
 
     def attend(self, layer_idx, q, k, v, window=None, scale=None):
         self.backend.write_kv(layer_idx, k, v, self.slots)

@@ -1,8 +1,8 @@
-// A whole dense decoder layer of a decode step in one operator (astrai::decode_layer): what
+// The dense decoder layers of a decode step in one operator (astrai::decode_layers): what
 // astrai.infer.fused.FusedModel._layer computes for a few rows on a CPU, as one call instead of about 30 of
 // torch's. A batch-1 step of a small model spends about as long between torch's operations (the Python that
 // calls them, their dispatch, their allocations) as in the weights' stream; here the layer's work runs back to
-// back in C++ on astrai's kernels (cpu_kernels.h).
+// back in C++ on astrai's kernels (cpu_kernels.h), all the layers of a step in one call.
 //
 //   h = norm(x) (rounded to the weights' dtype)   qkv = h @ Wqkv^T (+ b)   q/k norms (Qwen3, Gemma 3)
 //   RoPE on q, k; k, v written at the step's slots; attention over each request's slots
@@ -130,9 +130,10 @@ void norm_with(T_* p, int64_t rows, int64_t stride, int64_t D, const at::Tensor&
 
 struct Layer {
   const c10::List<std::optional<at::Tensor>>& t;
+  int64_t base;  // the layer's first tensor in t
   int64_t kind, bf16_isa, int8_isa;
-  at::Tensor get(int64_t i) const { return t.get(i).value(); }
-  bool has(int64_t i) const { return t.get(i).has_value(); }
+  at::Tensor get(int64_t i) const { return t.get(base + i).value(); }
+  bool has(int64_t i) const { return t.get(base + i).has_value(); }
 
   // out [T, N] (rows N apart, in the activations' dtype) = in @ the parts' rows stacked, + bias
   template <typename T_>
@@ -143,7 +144,7 @@ struct Layer {
       const at::Tensor w = get(at_);
       const int64_t n = w.size(0);
       TORCH_CHECK(w.is_contiguous() && (kind == INT4 ? w.size(1) * 2 : w.size(1)) == K,
-                  "astrai::decode_layer: a weight of another shape than its input");
+                  "astrai::decode_layers: a weight of another shape than its input");
       if constexpr (std::is_same<T_, at::BFloat16>::value) {
         astrai::gemv_bf16_into(in, T, K, w.data_ptr<at::BFloat16>(), n, out + col, N, bf16_isa);
       } else if (kind == F32) {
@@ -157,11 +158,11 @@ struct Layer {
       }
       col += n;
     }
-    TORCH_CHECK(col == N, "astrai::decode_layer: the parts' rows do not add up to the projection's");
+    TORCH_CHECK(col == N, "astrai::decode_layers: the parts' rows do not add up to the projection's");
     if (has(bias)) {
       const at::Tensor b = get(bias);
       TORCH_CHECK(b.numel() == N && b.scalar_type() == (std::is_same<T_, float>::value ? at::kFloat : at::kBFloat16),
-                  "astrai::decode_layer: a bias of another size or dtype");
+                  "astrai::decode_layers: a bias of another size or dtype");
       const T_* bp = b.data_ptr<T_>();
       for (int64_t r = 0; r < T; ++r)
         for (int64_t j = 0; j < N; ++j) out[r * N + j] = static_cast<T_>(to_float(out[r * N + j]) + to_float(bp[j]));
@@ -196,7 +197,7 @@ at::Tensor run_layer(const at::Tensor& x, const Layer& L, at::IntArrayRef cfg, f
   T_ *kp = kc.data_ptr<T_>(), *vp = vc.data_ptr<T_>();
   const int64_t row = hkv * d, S = kc.size(0);
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(ws[t] >= 0 && ws[t] < S, "astrai::decode_layer: a write slot past the cache");
+    TORCH_CHECK(ws[t] >= 0 && ws[t] < S, "astrai::decode_layers: a write slot past the cache");
     std::memcpy(kp + ws[t] * row, qp + t * nqkv + nq, row * sizeof(T_));
     std::memcpy(vp + ws[t] * row, qp + t * nqkv + nq + row, row * sizeof(T_));
   }
@@ -221,41 +222,68 @@ at::Tensor run_layer(const at::Tensor& x, const Layer& L, at::IntArrayRef cfg, f
   return out;
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& t, at::IntArrayRef cfg,
-                        at::ArrayRef<double> fc, const at::Tensor& kc, const at::Tensor& vc,
-                        const at::Tensor& write_slots, const at::Tensor& slots, const at::Tensor& counts,
-                        const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(cfg.size() == 12 && fc.size() == 2 && t.size() >= FIRST_PART + 4,
-              "astrai::decode_layer: cfg [12], fc [eps, scale] and the layer's tensors");
+// checks one layer's arguments (cfg: its 12 values) against x; returns how many tensors of t it takes
+int64_t check_layer(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& t, int64_t base, at::IntArrayRef cfg,
+                    const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots, const at::Tensor& counts,
+                    const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t kind = cfg[7];
-  TORCH_CHECK(kind >= F32 && kind <= INT4 && cfg[3] >= SILU && cfg[3] <= GELU_TANH, "astrai::decode_layer: kind, act");
+  TORCH_CHECK(kind >= F32 && kind <= INT4 && cfg[3] >= SILU && cfg[3] <= GELU_TANH, "astrai::decode_layers: kind, act");
+  const int64_t used = FIRST_PART + (cfg[8] + cfg[9] + cfg[10] + cfg[11]) * TENSORS_PER_PART[kind];
+  TORCH_CHECK(base + used <= static_cast<int64_t>(t.size()), "astrai::decode_layers: fewer tensors than cfg says");
   const at::ScalarType st = kind == BF16 ? at::kBFloat16 : at::kFloat;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) == write_slots.numel(),
-              "astrai::decode_layer: x float32 [T, H] contiguous, a write slot per row");
   TORCH_CHECK(kc.scalar_type() == st && vc.scalar_type() == st && kc.is_contiguous() && vc.is_contiguous() &&
               kc.dim() == 3 && kc.size(1) == cfg[1] && kc.size(2) == cfg[2] && kc.sizes() == vc.sizes(),
-              "astrai::decode_layer: caches [S, Hkv, D] contiguous, in the activations' dtype");
-  TORCH_CHECK(write_slots.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
-              counts.scalar_type() == at::kLong && write_slots.is_contiguous() && slots.is_contiguous() &&
+              "astrai::decode_layers: caches [S, Hkv, D] contiguous, in the activations' dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && counts.scalar_type() == at::kLong && slots.is_contiguous() &&
               counts.is_contiguous() && slots.dim() == 2 && slots.size(0) == x.size(0) && counts.numel() == x.size(0),
-              "astrai::decode_layer: int64 write slots [T], slots [T, L], counts [T]");
+              "astrai::decode_layers: int64 slots [T, L] and counts [T]");
   TORCH_CHECK(cos.scalar_type() == st && sin.scalar_type() == st && cos.is_contiguous() && sin.is_contiguous() &&
               cos.numel() == x.size(0) * cfg[2] && sin.numel() == cos.numel(),
-              "astrai::decode_layer: cos and sin [T, 1, D] in the activations' dtype");
-  TORCH_CHECK(kind != INT4 || cfg[5] >= 2, "astrai::decode_layer: int4 needs AVX-512");
-  const Layer L{t, kind, cfg[4], cfg[5]};
+              "astrai::decode_layers: cos and sin [T, 1, D] in the activations' dtype");
+  TORCH_CHECK(kind != INT4 || cfg[5] >= 2, "astrai::decode_layers: int4 needs AVX-512");
+  return used;
+}
+
+// layers i = 0.. of k_caches' count in turn, layer i with cfg[12 i: 12 i + 12], its tensors next in t, its caches,
+// its read slots and counts, its RoPE tables
+at::Tensor decode_layers(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& t, at::IntArrayRef cfg,
+                         at::ArrayRef<double> fc, at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& write_slots, at::TensorList slots, at::TensorList counts, at::TensorList cos,
+                         at::TensorList sin) {
+  const int64_t n = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(cfg.size()) == 12 * n && fc.size() == 2 && v_caches.size() == k_caches.size() &&
+              slots.size() == k_caches.size() && counts.size() == k_caches.size() && cos.size() == k_caches.size() &&
+              sin.size() == k_caches.size(), "astrai::decode_layers: 12 cfg values, caches, slots, counts and "
+              "tables per layer; fc [eps, scale]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) == write_slots.numel() &&
+              write_slots.scalar_type() == at::kLong && write_slots.is_contiguous(),
+              "astrai::decode_layers: x float32 [T, H] contiguous, an int64 write slot per row");
   const float eps = static_cast<float>(fc[0]), scale = static_cast<float>(fc[1]);
-  if (kind == BF16) return run_layer<at::BFloat16>(x, L, cfg, eps, scale, kc, vc, write_slots, slots, counts, cos, sin);
-  return run_layer<float>(x, L, cfg, eps, scale, kc, vc, write_slots, slots, counts, cos, sin);
+  at::Tensor h = x;
+  int64_t base = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::IntArrayRef c = cfg.slice(12 * i, 12);
+    const int64_t used = check_layer(h, t, base, c, k_caches[i], v_caches[i], slots[i], counts[i], cos[i], sin[i]);
+    const Layer L{t, base, c[7], c[4], c[5]};
+    if (c[7] == BF16) {
+      h = run_layer<at::BFloat16>(h, L, c, eps, scale, k_caches[i], v_caches[i], write_slots, slots[i], counts[i],
+                                  cos[i], sin[i]);
+    } else {
+      h = run_layer<float>(h, L, c, eps, scale, k_caches[i], v_caches[i], write_slots, slots[i], counts[i], cos[i],
+                           sin[i]);
+    }
+    base += used;
+  }
+  return h;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(astrai, m) {
-  m.def("decode_layer(Tensor x, Tensor?[] t, int[] cfg, float[] fc, Tensor k_cache, Tensor v_cache, "
-        "Tensor write_slots, Tensor slots, Tensor counts, Tensor cos, Tensor sin) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor?[] t, int[] cfg, float[] fc, Tensor[] k_caches, Tensor[] v_caches, "
+        "Tensor write_slots, Tensor[] slots, Tensor[] counts, Tensor[] cos, Tensor[] sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai, CPU, m) {
-  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
 }

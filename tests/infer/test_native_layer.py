@@ -26,16 +26,16 @@ def isa(request, monkeypatch):
 
 @pytest.fixture
 def layer_calls(monkeypatch):
-    """How many layers ran as the one operator (the Python layer returns None from _native_layer)."""
+    """How many layers ran as the one operator (the Python layers run where _native_layers returns None)."""
     calls = []
-    run = fused.FusedModel._native_layer
+    run = fused.FusedModel._native_layers
 
     def counted(self, *a):
         y = run(self, *a)
         calls.append(y is not None)
         return y
 
-    monkeypatch.setattr(fused.FusedModel, "_native_layer", counted)
+    monkeypatch.setattr(fused.FusedModel, "_native_layers", counted)
     return calls
 
 

@@ -171,9 +171,9 @@ class TorchBackend(AttentionBackend):
         meta.scratch[key] = plan
         return plan
 
-    def native_plan(self, layer: int, meta: AttentionMeta, window=None):
-        """(k_cache, v_cache, slots [B, L], counts [B]) of a decode step's padded plan for astrai's whole-layer
-        CPU operator (astrai.infer.native_layer), or None where the step runs another plan or no kernels."""
+    def native_plan(self, meta: AttentionMeta, window=None):
+        """(slots [B, L], counts [B]) of a decode step's padded plan for astrai's CPU layers operator
+        (astrai.infer.native_layer), or None where the step runs another plan or there are no kernels."""
         if not self.cpu_kernel:
             return None
         plan = self._decode_plan(meta, window)
@@ -182,7 +182,7 @@ class TorchBackend(AttentionBackend):
         if not plan[1].is_contiguous():  # made contiguous once per step, kept in the plan for the other layers
             plan = (plan[0], plan[1].contiguous(), *plan[2:])
             meta.scratch["torch_decode" if window is None else ("torch_decode", window)] = plan
-        return self.k_cache[layer], self.v_cache[layer], plan[1], plan[3]
+        return plan[1], plan[3]
 
     def _gather(self, layer: int, slots: torch.Tensor):
         """K and V at slots [B, L] -> [B, Hkv, L, D] each. index_select on the flat slots, which
