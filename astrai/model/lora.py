@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from astrai.config.train import LORA_DEFAULT_TARGETS, LORA_TARGETS
+from astrai.model.casts import frozen_cast
 from astrai.model.quant import QuantizedLinear, dequantized, quantize_layers
 
 
@@ -84,11 +85,38 @@ class LoraLinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _autocast_dtype(x)
+        if dtype is not None and type(self.base_layer) is nn.Linear and not self.base_layer.weight.requires_grad:
+            return self._autocast_forward(x, dtype)
         y = self.base_layer(x)
         if not self.enabled:
             return y
         h = self.lora_dropout(x.to(self.lora_A.weight.dtype))
         return y + (self.lora_B(self.lora_A(h)) * self.scaling).to(y.dtype)
+
+    def _autocast_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The forward under autocast (bf16-mixed training) over a frozen full-precision base: the products
+        autocast would compute, the same bf16 operands, without its per-call casts of the frozen weight (autocast
+        caches casts of weights that require grad only, so it cast each base weight at every forward and kept the
+        copy for the backward: 13% of a LoRA step); the base's `dtype` copy is astrai.model.casts.frozen_cast's,
+        made once. The adapters' scale multiplies their rank-r product, not the [tokens, out] result (the same
+        scalar product, r / out of the work), and B's product adds into the base's result (addmm)."""
+        base, x = self.base_layer, x.to(dtype)  # cast once for the base and the adapters
+        bias = None if base.bias is None else frozen_cast(base.bias, dtype)
+        y = nn.functional.linear(x, frozen_cast(base.weight, dtype), bias)
+        if not self.enabled:
+            return y
+        a = self.lora_A(self.lora_dropout(x)) * self.scaling
+        # y + a @ B^T as one product (addmm adds into its result: no separate pass over the [tokens, out] sum)
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1]), self.lora_B.weight.to(dtype).t())
+        return out.view(y.shape)
+
+
+
+def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """autocast's dtype for x's device while autocast is on there, else None."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 LINEAR = (nn.Linear, QuantizedLinear)  # a base layer: full precision, or quantized as the checkpoint was loaded

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from astrai.config.train import LOSS_CHUNK
+from astrai.model.casts import frozen_cast
 from astrai.model.transformer import acc_dtype, at_least_float32
 from astrai.schema import IGNORE_INDEX
 
@@ -67,8 +68,16 @@ def _ce_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float) -> torch.Tensor
 
 def _head(h: torch.Tensor, weight: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
     # float32 from here on: under autocast the product is bf16, the soft-capping and the loss are not
-    z = at_least_float32(h @ weight.t())
+    z = at_least_float32(h @ _frozen_in_autocast(weight, h.device.type).t())
     return z if softcap is None else torch.tanh(z / softcap) * softcap
+
+
+def _frozen_in_autocast(weight: torch.Tensor, device: str) -> torch.Tensor:
+    """A frozen head weight (LoRA's tied embedding) in autocast's dtype, cast once (astrai.model.casts), while
+    autocast is on; else the weight (autocast casts it, caching weights that train itself)."""
+    if weight.requires_grad or not torch.is_autocast_enabled(device):
+        return weight
+    return frozen_cast(weight, torch.get_autocast_dtype(device))
 
 
 def _autocast_operands(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +89,7 @@ def _autocast_operands(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Ten
     if not torch.is_autocast_enabled(device):
         return h, weight
     dtype = torch.get_autocast_dtype(device)
-    return h.to(dtype), weight.to(dtype)
+    return h.to(dtype), _frozen_in_autocast(weight, device).to(dtype)
 
 
 def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mode: str = "full",

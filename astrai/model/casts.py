@@ -1,0 +1,33 @@
+"""Casts of frozen weights for mixed-precision training (bf16-mixed), made once and kept.
+
+torch.autocast caches its casts of weights that require grad (leaf tensors), for one forward; a frozen weight
+(a LoRA base projection, a tied embedding used as the LM head) is cast again at every forward, and the copy is
+kept for the backward anyway. `frozen_cast(w, dtype)` returns w in `dtype`, cast once and again only when w
+changes (its data pointer or version counter moved), held while w lives (a weak reference). The values are the
+ones autocast would compute: the same rounding of the same weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+_CASTS = WeakTensorKeyDictionary()  # weight -> ((data pointer, version, dtype), the cast)
+
+
+def _version(w: torch.Tensor) -> int:
+    try:
+        return w._version
+    except RuntimeError:  # made under inference_mode: no version counter, and never changed in place
+        return -1
+
+
+def frozen_cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if w.dtype == dtype:
+        return w
+    key = (w.data_ptr(), _version(w), dtype)
+    held = _CASTS.get(w)
+    if held is None or held[0] != key:
+        held = (key, w.detach().to(dtype))
+        _CASTS[w] = held
+    return held[1]
