@@ -288,9 +288,12 @@ namespace astrai {
 void decode_attention_into(const void* q, int64_t ldq, int64_t B, int64_t Hq, int64_t D, const at::Tensor& kc,
                            const at::Tensor& vc, const int64_t* slots, const int64_t* counts, int64_t L, float scale,
                            void* out, int64_t isa) {
-  for (int64_t b = 0; b < B; ++b)  // a plain loop: an ATen max() here cost a few us per layer
+  const int64_t Hkv = kc.size(1), S = kc.size(0);
+  for (int64_t b = 0; b < B; ++b) {  // plain loops: an ATen max() here cost a few us per layer
     TORCH_CHECK(counts[b] >= 0 && counts[b] <= L, "astrai::decode_attention: a count past the slots");
-  const int64_t Hkv = kc.size(1);
+    for (int64_t l = 0; l < counts[b]; ++l)
+      TORCH_CHECK(slots[b * L + l] >= 0 && slots[b * L + l] < S, "astrai::decode_attention: a slot past the cache");
+  }
   if (kc.scalar_type() == at::kFloat) {
     decode_attention_rows(static_cast<const float*>(q), ldq, B, Hq, D, kc.data_ptr<float>(), vc.data_ptr<float>(), Hkv,
                           slots, counts, L, scale, static_cast<float*>(out), isa);

@@ -213,6 +213,10 @@ def test_decode_attention_is_sdpa_over_each_requests_slots(dtype, d, isa):
         ref = F.scaled_dot_product_attention(q[b, :, None].double(), k, v, scale=0.1, enable_gqa=True)[:, 0]
         tol = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5  # bf16: the output's rounding
         assert ((out[b].double() - ref).abs() <= tol * ref.abs() + tol).all()
+    bad = slots.clone()
+    bad[2, 3] = s  # one past the cache: refused, not read
+    with pytest.raises(RuntimeError, match="a slot past the cache"):
+        torch.ops.astrai.decode_attention(q, kc, vc, bad, counts, 0.1, isa)
 
 
 @needs_kernels
