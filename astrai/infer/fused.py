@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.infer import native
+from astrai.infer import native_layer
 from astrai.infer.native_layer import layer_spec
 from astrai.infer.packed import OWN_ROWS, Experts, Layer, pack
 from astrai.model.layers import activation, at_least_float32, route
@@ -122,7 +123,7 @@ class FusedModel:
         """hidden [T, H] after the final norm, as CausalLM.forward returns it. `static`: no operation
         whose shapes depend on values (CUDA graph capture)."""
         x = self.embed(input_ids)
-        if self.native_all and self._native_step(x):
+        if self.native_all and self._native_step(x, ctx):
             y = self._native_layers(x, position_ids, ctx, range(len(self.layers)))
             if y is not None:
                 return self.norm_in(y, self.packed.norm)
@@ -140,7 +141,7 @@ class FusedModel:
 
     def _layer(self, i: int, w: Layer, x, position_ids, ctx, static: bool):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
-        if self.native and self.native[i] is not None and self._native_step(x):  # a model of mixed layers
+        if self.native and self.native[i] is not None and self._native_step(x, ctx):  # a model of mixed layers
             y = self._native_layers(x, position_ids, ctx, [i])
             if y is not None:
                 return y
@@ -188,9 +189,9 @@ class FusedModel:
         return self._residual(x, act, w.down_t, w.down_b, w.ffn_out_norm,
                               lora and lora[0].delta(i, "down", act, lora[1]), parts)
 
-    def _native_step(self, x: torch.Tensor) -> bool:
-        """Whether a step of x's rows may run astrai's CPU layers operator: a few rows, no adapters."""
-        return x.shape[0] <= native.GEMV_ROWS and self.lora is None
+    def _native_step(self, x: torch.Tensor, ctx) -> bool:
+        """Whether a step may run astrai's CPU layers operator: a decode step of a few rows, no adapters."""
+        return x.shape[0] <= native_layer.MAX_ROWS and self.lora is None and getattr(ctx, "decode", False)
 
     def _native_layers(self, x, position_ids, ctx, idx) -> Optional[torch.Tensor]:
         """Layers `idx` (consecutive) as one call of astrai's CPU operator (astrai.infer.native_layer), or None where

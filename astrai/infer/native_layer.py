@@ -17,7 +17,7 @@ than silu and Gemma's tanh GELU, or projections not all of one kind:
     int8      astrai.infer.quantized's Int8Weight: codes and per-row scales, `gemv_int8`
     int4      Int4Weight's kernel layout (AVX-512 only), `gemv_int4`
 
-FusedModel runs the operator for decode steps of up to GEMV_ROWS rows without adapters, when the step's
+FusedModel runs the operator for decode steps of up to MAX_ROWS rows without adapters, when the step's
 attention is the torch backend's padded plan on a CPU (`PagedContext.native_plan`); everything else keeps the
 Python layer.
 """
@@ -33,6 +33,9 @@ from astrai.infer import native
 from astrai.infer.native import RowsWeight
 
 KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
+# decode steps of up to this many rows (requests) run the operator; float32 and bf16 products of more than
+# GEMV_ROWS rows are torch's inside it
+MAX_ROWS = 16
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 

@@ -1,8 +1,8 @@
 // The dense decoder layers of a decode step in one operator (astrai::decode_layers): what
-// astrai.infer.fused.FusedModel._layer computes for a few rows on a CPU, as one call instead of about 30 of
-// torch's. A batch-1 step of a small model spends about as long between torch's operations (the Python that
-// calls them, their dispatch, their allocations) as in the weights' stream; here the layer's work runs back to
-// back in C++ on astrai's kernels (cpu_kernels.h), all the layers of a step in one call.
+// astrai.infer.fused.FusedModel._layer computes for a decode step of up to 16 rows on a CPU, as one call instead
+// of about 30 of torch's a layer. A batch-1 step of a small model spends about as long between torch's operations
+// (the Python that calls them, their dispatch, their allocations) as in the weights' stream; here the layers' work
+// runs back to back in C++ on astrai's kernels (cpu_kernels.h), all the layers of a step in one call.
 //
 //   h = norm(x) (rounded to the weights' dtype)   qkv = h @ Wqkv^T (+ b)   q/k norms (Qwen3, Gemma 3)
 //   RoPE on q, k; k, v written at the step's slots; attention over each request's slots
@@ -11,10 +11,10 @@
 //
 // The same operations and roundings as the Python forward: activations in the weights' dtype (bf16 rounded
 // after each operation as torch rounds them; float32 for float32 and quantized weights), the residual x in
-// float32; sums in float32 in the kernels' order. Arguments (astrai.infer.native.layer_spec builds them once per
-// packed layer): t = [attn_norm, qk_norm?, attn_out_norm?, ffn_norm, ffn_out_norm?, the four biases (qkv, o,
-// gate_up, down)?, then each projection's parts' tensors], cfg = [Hq, Hkv, D, act, bf16 isa, int8 isa, offset
-// norms, kind, parts of qkv, o, gate_up, down], fc = [eps, softmax scale].
+// float32; sums in float32 in the kernels' order. Arguments (astrai.infer.native_layer.layer_spec builds them
+// once per packed layer): t = [attn_norm, qk_norm?, attn_out_norm?, ffn_norm, ffn_out_norm?, the four biases
+// (qkv, o, gate_up, down)?, then each projection's parts' tensors], cfg = [Hq, Hkv, D, act, bf16 isa, int8 isa,
+// offset norms, kind, parts of qkv, o, gate_up, down], fc = [eps, softmax scale].
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -32,6 +32,7 @@ enum Kind { F32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
 constexpr int64_t TENSORS_PER_PART[] = {1, 1, 2, 3};
 enum Act { SILU = 0, GELU_TANH = 1 };
 constexpr int64_t FIRST_PART = 9;  // t: 5 norms and 4 biases, then the projections' parts
+constexpr int64_t GEMV_ROWS = 4;  // float32 and bf16 steps of more rows multiply with torch's product
 
 extern "C" __attribute__((target("avx512f"))) __m512 Sleef_expf16_u10(__m512);
 extern "C" __attribute__((target("avx512f"))) __m512 Sleef_tanhf16_u10(__m512);
@@ -145,7 +146,11 @@ struct Layer {
       const int64_t n = w.size(0);
       TORCH_CHECK(w.is_contiguous() && (kind == INT4 ? w.size(1) * 2 : w.size(1)) == K,
                   "astrai::decode_layers: a weight of another shape than its input");
-      if constexpr (std::is_same<T_, at::BFloat16>::value) {
+      if ((kind == F32 || kind == BF16) && T > GEMV_ROWS) {  // many rows: torch's blocked product reuses W better
+        const at::Tensor y = at::linear(at::from_blob(const_cast<T_*>(in), {T, K}, w.options()), w);
+        const T_* yp = y.data_ptr<T_>();
+        for (int64_t r = 0; r < T; ++r) std::memcpy(out + r * N + col, yp + r * n, n * sizeof(T_));
+      } else if constexpr (std::is_same<T_, at::BFloat16>::value) {
         astrai::gemv_bf16_into(in, T, K, w.data_ptr<at::BFloat16>(), n, out + col, N, bf16_isa);
       } else if (kind == F32) {
         astrai::gemv_f32_into(in, T, K, w.data_ptr<float>(), n, out + col, N, int8_isa);

@@ -26,13 +26,13 @@ def isa(request, monkeypatch):
 
 @pytest.fixture
 def layer_calls(monkeypatch):
-    """How many layers ran as the one operator (the Python layers run where _native_layers returns None)."""
+    """(ran, rows) of each decode step's call of the operator (the Python layers run where it returns None)."""
     calls = []
     run = fused.FusedModel._native_layers
 
-    def counted(self, *a):
-        y = run(self, *a)
-        calls.append(y is not None)
+    def counted(self, x, *a):
+        y = run(self, x, *a)
+        calls.append((y is not None, x.shape[0]))
         return y
 
     monkeypatch.setattr(fused.FusedModel, "_native_layers", counted)
@@ -53,8 +53,8 @@ def _prompts(seed):
     return [shared + torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 8)] + [[7, 3, 5]]
 
 
-def _engine(path, **opts):
-    return Engine(load_model(path), options=EngineOptions(device="cpu", page_size=4, max_running=4, **opts))
+def _engine(path, max_running=4, **opts):
+    return Engine(load_model(path), options=EngineOptions(device="cpu", page_size=4, max_running=max_running, **opts))
 
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -81,7 +81,29 @@ def test_decode_layer_gives_transformers_logprobs_for_every_dense_family(name, i
             assert ref.argmax(-1).tolist() == o.token_ids
             torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs], dtype=torch.double),
                                        ref[range(n), o.token_ids], atol=1e-4, rtol=0)
-    assert layer_calls and all(layer_calls)
+    assert layer_calls and all(ran for ran, _ in layer_calls)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_steps_past_the_kernels_rows_multiply_with_torch_inside_the_operator(name, tmp_path, layer_calls):
+    """Steps of 5 to 16 requests run the operator with torch's products (more rows than GEMV_ROWS): each request's
+    greedy tokens and log-probabilities are still transformers' (1e-4)."""
+    from families import hf_logits
+
+    hf = _family(name, tmp_path)
+    engine = _engine(tmp_path, max_running=8, dtype="float32")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 14, 5, 11, 7)]
+    outs = engine.generate(prompts, PARAMS)
+    assert max(rows for _, rows in layer_calls) == 6 > native.GEMV_ROWS  # decode steps of all 6 requests
+    for p, o in zip(prompts, outs):
+        n = len(o.token_ids)
+        ref = torch.log_softmax(hf_logits(hf, p + o.token_ids)[len(p) - 1:len(p) - 1 + n].double(), -1)
+        assert ref.argmax(-1).tolist() == o.token_ids
+        torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs], dtype=torch.double),
+                                   ref[range(n), o.token_ids], atol=1e-4, rtol=0)
+    assert layer_calls and all(ran for ran, _ in layer_calls)
 
 
 def _python_layer(monkeypatch):
@@ -96,11 +118,11 @@ def test_bf16_decode_layer_follows_the_python_layer(name, isa, tmp_path, layer_c
     follow the Python layer's (the first three of each request held equal: a sum's order can move one bf16 ulp)
     and its log-probabilities stay within bf16's resolution of them."""
     _family(name, tmp_path)
-    prompts = _prompts(3)
-    ours = _engine(tmp_path, dtype="bfloat16").generate(prompts, PARAMS)
-    assert layer_calls and all(layer_calls)
+    prompts = _prompts(3) + _prompts(4)  # steps of 6 rows (torch's products inside the operator) down to 1
+    ours = _engine(tmp_path, max_running=8, dtype="bfloat16").generate(prompts, PARAMS)
+    assert layer_calls and all(ran for ran, _ in layer_calls) and max(rows for _, rows in layer_calls) == 6
     _python_layer(monkeypatch)
-    theirs = _engine(tmp_path, dtype="bfloat16").generate(prompts, PARAMS)
+    theirs = _engine(tmp_path, max_running=8, dtype="bfloat16").generate(prompts, PARAMS)
     for a, b in zip(ours, theirs):
         assert a.token_ids[:3] == b.token_ids[:3]
         assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
@@ -117,7 +139,7 @@ def test_quantized_decode_layer_equals_the_python_layer(quantize, tmp_path, laye
     prompts = _prompts(5)
     opts = dict(dtype="float32", quantize=quantize)
     ours = _engine(tmp_path, **opts).generate(prompts, PARAMS)
-    assert layer_calls and all(layer_calls)
+    assert layer_calls and all(ran for ran, _ in layer_calls)
     _python_layer(monkeypatch)
     theirs = _engine(tmp_path, **opts).generate(prompts, PARAMS)
     for a, b in zip(ours, theirs):
