@@ -28,9 +28,12 @@ some models carry (SmolLM2's reach 2.5e4: one bf16 step there is 128). Those rou
 SmolLM2's first greedy token on a 37-token prompt; with the float32 stream the error left is the weights'
 and the products' own rounding. The hidden state returned by `forward` is rounded to the weights' dtype.
 
-On a CPU where astrai's kernels are built (astrai.infer.native), a decode step's norms (`norm_in`) and RoPE
-run as one operation each instead of torch's several, bf16 products as `gemv_bf16` (the packed weights are
-RowsWeight's then), and int8/int4 ones as astrai's quantized products.
+On a CPU where astrai's kernels are built (astrai.infer.native), a decode step of up to
+native_layer.MAX_ROWS requests runs all its dense layers as one call of astrai's C++ operator
+(astrai.infer.native_layer: the same operations and roundings as `_layer`); where it does not apply (adapters
+being served, experts, another attention plan), a decode step's norms (`norm_in`) and RoPE run as one operation
+each instead of torch's several, bf16 products as `gemv_bf16` (the packed weights are RowsWeight's then), and
+int8/int4 ones as astrai's quantized products.
 
 RoPE uses cos/sin gathered once per step per distinct RoPE (`ctx.rope_tables`: Gemma 3's local
 layers have their own), shared by the layers that use it, as x * cos + swap_halves(x) * sin_signed,
@@ -51,8 +54,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.infer import native
-from astrai.infer import native_layer
+from astrai.infer import native, native_layer
 from astrai.infer.native_layer import layer_spec
 from astrai.infer.packed import OWN_ROWS, Experts, Layer, pack
 from astrai.model.layers import activation, at_least_float32, route

@@ -12,7 +12,9 @@ are PEFT's file keys once prefixed with `base_model.model.` (astrai.model.adapte
 Only the adapters train: the base is frozen (`requires_grad=False`) and may be held in a lower
 precision (`cast`: the base and the activations in `dtype`, A and B in float32, or float64 in a
 float64 run); like PEFT, the adapter path computes in its own dtype and adds its result in the
-activations' dtype. `adapters_disabled(model)` switches every adapter off for a forward, so the
+activations' dtype. Under autocast (bf16-mixed training) over a frozen full-precision base, the products are
+autocast's own, but the base weight's bf16 copy is made once (astrai.model.casts) instead of at every forward,
+and the scale multiplies the rank-r product. `adapters_disabled(model)` switches every adapter off for a forward, so the
 frozen base doubles as a reference model (DPO, GRPO's KL) without a second copy of its weights:
 `BaseView(model)` is that reference.
 
