@@ -4,7 +4,7 @@
 
 Every projection of a 30-layer SmolLM2 (q/k/v [576 -> 960], o [576 -> 576], gate/up [576 -> 3072],
 down [1536 -> 576]), distinct random weights so that none stays in cache, multiplied by `rows` input rows:
-float32 (F.linear, MKL), bf16 (F.linear: oneDNN, AMX / AVX-512 BF16 where the CPU has them; astrai's
+float32 (F.linear, MKL; astrai's `gemv_f32`), bf16 (F.linear: oneDNN, AMX / AVX-512 BF16 where the CPU has them; astrai's
 `gemv_bf16` with AVX-512 BF16 and with AVX2), int8 weight-only (torch's `_weight_int8pack_mm`; astrai's
 `gemv_int8`) and int4 by groups of 32 (torch's `_weight_int4pack_mm_for_cpu`; astrai's `gemv_int4`).
 Milliseconds for all 120 products, best of --repeats rounds of 10 passes. The floor beside them: the same
@@ -78,7 +78,7 @@ def main():
           f"int8 {nbytes['int8'] / 1e6:.0f} MB, int4 {nbytes['int4'] / 1e6:.0f} MB (+ scales)")
     print(f"read floor: torch's max over the bf16 weights' bytes {floor_bf16:.2f} ms "
           f"({nbytes['bf16'] / floor_bf16 / 1e6:.1f} GB/s)")
-    cols = ["f32 torch", "bf16 torch", "bf16 astrai", "bf16 astrai avx2", "int8 torch", "int8 astrai",
+    cols = ["f32 torch", "f32 astrai", "bf16 torch", "bf16 astrai", "bf16 astrai avx2", "int8 torch", "int8 astrai",
             "int4 torch", "int4 astrai"]
     print("rows  " + "  ".join(f"{c:>16}" for c in cols))
     table = {}
@@ -87,6 +87,7 @@ def main():
         xb = {i: v.bfloat16() for i, v in xf.items()}
         runs = {
             "f32 torch": lambda: [F.linear(xf[w.shape[1]], w) for lw in ws for w in lw],
+            "f32 astrai": lambda: [torch.ops.astrai.gemv_f32(xf[w.shape[1]], w, k.int8_isa, 64) for lw in ws for w in lw],
             "bf16 torch": lambda: [F.linear(xb[w.shape[1]], w) for w in flat],
             "bf16 astrai": lambda: [torch.ops.astrai.gemv_bf16(xb[w.shape[1]], w, k.bf16_isa, 64) for w in flat],
             "bf16 astrai avx2": lambda: [torch.ops.astrai.gemv_bf16(xb[w.shape[1]], w, native.ISA_AVX2, 64)
@@ -101,7 +102,7 @@ def main():
         print(f"{m:>4}  " + "  ".join(f"{v:>16.2f}" for v in row.values()))
     print("milliseconds per pass over the 120 products, best of rounds. Speed-up, torch's time / astrai's:")
     for m, row in table.items():
-        print(f"  {m} rows: bf16 {row['bf16 torch'] / row['bf16 astrai']:.2f}x (against float32 "
+        print(f"  {m} rows: float32 {row['f32 torch'] / row['f32 astrai']:.2f}x, bf16 {row['bf16 torch'] / row['bf16 astrai']:.2f}x (against float32 "
               f"{row['f32 torch'] / row['bf16 astrai']:.2f}x), int8 {row['int8 torch'] / row['int8 astrai']:.2f}x, "
               f"int4 {row['int4 torch'] / row['int4 astrai']:.2f}x; bf16 astrai at "
               f"{floor_bf16 / row['bf16 astrai']:.2f} of the read floor")

@@ -93,11 +93,13 @@ class FusedModel:
         # each layer's arguments to astrai's CPU layers operator for decode steps (astrai.infer.native_layer), or None
         self.native = [layer_spec(w, self) for w in self.layers]
         self.native_all = bool(self.native) and all(s is not None for s in self.native)  # one call for the step
+        # the whole model's operator arguments, flattened once per pack (not at every step)
+        self.native_flat = native_layer.flatten(self.native) if self.native_all else None
         self.builds += 1
 
     def release(self) -> None:
         """Drop the packed copies (the engine sleeps); `rebuild` makes them again."""
-        self.packed, self.layers, self.native, self.native_all = None, [], [], False
+        self.packed, self.layers, self.native, self.native_all, self.native_flat = None, [], [], False, None
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.offset)
@@ -201,7 +203,7 @@ class FusedModel:
         run then)."""
         if not hasattr(ctx, "native_plan"):
             return None
-        plans, tensors, cfg = {}, [], []
+        plans = {}
         k_cache, v_cache = ctx.native_caches()
         ks, vs, slots, counts, cos, sin = [], [], [], [], [], []
         for i in idx:
@@ -211,14 +213,14 @@ class FusedModel:
             plan, tables = plans[w.window], ctx.rope_tables(position_ids, w.rope)
             if plan is None or tables is None or tables[0].dtype != spec.dtype or k_cache[i].dtype != spec.dtype:
                 return None
-            tensors += spec.tensors
-            cfg += spec.cfg
             ks.append(k_cache[i])
             vs.append(v_cache[i])
             slots.append(plan[1])
             counts.append(plan[2])
             cos.append(tables[0])
             sin.append(tables[1])
+        whole = len(idx) == len(self.layers)
+        tensors, cfg = self.native_flat if whole else native_layer.flatten([self.native[i] for i in idx])
         scale = self.d ** -0.5 if self.scale is None else self.scale
         return torch.ops.astrai.decode_layers(x.contiguous(), tensors, cfg, [self.eps, scale], ks, vs, plans[w.window][0],
                                               slots, counts, cos, sin)

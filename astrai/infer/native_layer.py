@@ -31,6 +31,7 @@ import torch
 
 from astrai.infer import native
 from astrai.infer.native import RowsWeight
+from astrai.infer.quantized import Int4Weight, Int8Weight
 
 KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
 # decode steps of up to this many rows (requests) run the operator; float32 and bf16 products of more than
@@ -46,10 +47,13 @@ class LayerSpec:
     dtype: torch.dtype  # the activations' (and the K/V cache's) dtype
 
 
+def flatten(specs: list[LayerSpec]) -> tuple[list, list]:
+    """(tensors, cfg) of consecutive layers for one decode_layers call: each layer's, one after another."""
+    return [t for s in specs for t in s.tensors], [c for s in specs for c in s.cfg]
+
+
 def _parts(w) -> Optional[tuple[int, list]]:
     """(kind, [[tensors of each part] of qkv, o, gate_up, down]) of a packed dense layer, or None."""
-    from astrai.infer.quantized import Int4Weight, Int8Weight
-
     projections = (w.qkv_t, w.o_t, w.gate_up_t, w.down_t)
     if all(isinstance(p, RowsWeight) for p in projections):
         return KIND_BF16, [[[p.w]] for p in projections]

@@ -47,6 +47,7 @@ import torch.nn as nn
 
 from astrai.infer.native import rows_weight
 from astrai.model.layers import MLP, Expert, RMSNorm, SparseMoE, at_least_float32, embed_scale
+from astrai.model.casts import tensor_version
 from astrai.model.lora import LoraLinear, merge_weight
 from astrai.model.rope import Rotary
 
@@ -254,13 +255,6 @@ def pack(model, into: Optional[Packed] = None, quantize: Optional[str] = None, q
                   norm=norm_weight(model.model.norm), head=head, head_t=head_t)
 
 
-def _version(p: torch.Tensor) -> int:
-    try:
-        return p._version
-    except RuntimeError:  # a tensor made under inference_mode keeps no version counter
-        return -1
-
-
 class WeightWatch:
     """Tells whether anything the packed weights are made from changed since the last look: a parameter
     changed in place (its version counter moved: an optimizer step, load_state_dict, copy_) or replaced
@@ -278,7 +272,7 @@ class WeightWatch:
         self._key = self._now()
 
     def _now(self) -> list:
-        return [(params[name].data_ptr(), _version(params[name])) for params, name in self._where] + \
+        return [(params[name].data_ptr(), tensor_version(params[name])) for params, name in self._where] + \
             [m.enabled for m in self._adapters]
 
     def forget(self) -> None:

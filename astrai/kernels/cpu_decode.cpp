@@ -131,7 +131,7 @@ struct Exp512 {
   __attribute__((target("avx512f"))) void operator()(float* p, int64_t n) const {
     for (int64_t i = 0; i < n; i += 16) {
       const int64_t left = n - i;
-      const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+      const __mmask16 mask = astrai::tail_mask16(left);
       _mm512_mask_storeu_ps(p + i, mask, Sleef_expf16_u10(_mm512_maskz_loadu_ps(mask, p + i)));
     }
   }
@@ -144,6 +144,18 @@ struct Exp256 {
     for (; i < n; ++i) p[i] = std::exp(p[i]);
   }
 };
+
+// each of the `group` score rows (L apart, n used) <- exp(score - the row's maximum): softmax's numerators
+template <typename Exp>
+inline void softmax_numerators(float* sc, int64_t group, int64_t L, int64_t n, Exp expn) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = sc + g * L;
+    float m = -INFINITY;
+    for (int64_t l = 0; l < n; ++l) m = std::max(m, sg[l]);
+    for (int64_t l = 0; l < n; ++l) sg[l] -= m;
+    expn(sg, n);
+  }
+}
 
 // one (request, K/V head) pair: q and out point at the group's first head ([group, D] contiguous)
 template <typename T_, typename Exp>
@@ -162,13 +174,7 @@ inline void attend_one(const T_* q, const T_* kc, const T_* vc, int64_t Hkv, int
     }
   }
   for (int64_t i = 0; i < group * D; ++i) acc[i] = 0.f;
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = sc + g * L;
-    float m = -INFINITY;
-    for (int64_t l = 0; l < n; ++l) m = std::max(m, sg[l]);
-    for (int64_t l = 0; l < n; ++l) sg[l] -= m;
-    expn(sg, n);
-  }
+  softmax_numerators(sc, group, L, n, expn);
   for (int64_t l = 0; l < n; ++l) {
     const T_* vr = vc + (sl[l] * Hkv + kh) * D;
     for (int64_t g = 0; g < group; ++g) {
@@ -213,13 +219,7 @@ __attribute__((target("avx512f,avx512bw"))) void attend_512_d64(const T_* q, con
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = sc + g * L;
-    float m = -INFINITY;
-    for (int64_t l = 0; l < n; ++l) m = std::max(m, sg[l]);
-    for (int64_t l = 0; l < n; ++l) sg[l] -= m;
-    Exp512{}(sg, n);
-  }
+  softmax_numerators(sc, group, L, n, Exp512{});
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, group - g0);
     __m512 acc[4][V];

@@ -90,7 +90,7 @@ void f32_tile_512(const float* x, int64_t K, const float* w, float* out, int64_t
   zero_512(acc);
   for (int64_t k = 0; k < K; k += 16) {
     const int64_t left = K - k;
-    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 mask = astrai::tail_mask16(left);
     __m512 xv[M];
     for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
     for (int r = 0; r < N; ++r) {
@@ -109,7 +109,7 @@ void int8_tile_512(const float* x, int64_t K, const int8_t* w, float* out, int64
   zero_512(acc);
   for (int64_t k = 0; k < K; k += 16) {
     const int64_t left = K - k;
-    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 mask = astrai::tail_mask16(left);
     __m512 wv[N];
     for (int r = 0; r < N; ++r) {
       if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * K + k), _MM_HINT_T0);

@@ -4,9 +4,15 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
 #include <cstdint>
 
 namespace astrai {
+
+// the lanes of a 16-wide vector that hold elements when `left` of them remain (all 16 once 16 or more do)
+inline __mmask16 tail_mask16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+}
 
 // y [M, N] (rows ldo apart) = x [M, K] @ W^T, W [N, K]; isa 2: AVX-512 (bf16: AVX-512 BF16), 1: AVX2 + FMA
 void gemv_bf16_into(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t N, at::BFloat16* out,

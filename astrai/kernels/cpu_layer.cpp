@@ -32,7 +32,7 @@ enum Kind { F32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
 constexpr int64_t TENSORS_PER_PART[] = {1, 1, 2, 3};
 enum Act { SILU = 0, GELU_TANH = 1 };
 constexpr int64_t FIRST_PART = 9;  // t: 5 norms and 4 biases, then the projections' parts
-constexpr int64_t GEMV_ROWS = 4;  // float32 and bf16 steps of more rows multiply with torch's product
+constexpr int64_t GEMV_ROWS = 4;  // astrai.infer.native.GEMV_ROWS: float32 and bf16 steps of more rows use torch's product
 
 extern "C" __attribute__((target("avx512f"))) __m512 Sleef_expf16_u10(__m512);
 extern "C" __attribute__((target("avx512f"))) __m512 Sleef_tanhf16_u10(__m512);
@@ -49,7 +49,7 @@ constexpr float GELU_BETA = 0.7978845608028654f, GELU_KAPPA = 0.044715f;
 __attribute__((target("avx512f"))) void act_512(float* v, int64_t n, int64_t act) {
   for (int64_t i = 0; i < n; i += 16) {
     const int64_t left = n - i;
-    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 mask = astrai::tail_mask16(left);
     const __m512 x = _mm512_maskz_loadu_ps(mask, v + i), one = _mm512_set1_ps(1.f);
     __m512 y;
     if (act == SILU) {

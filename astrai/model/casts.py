@@ -15,7 +15,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 _CASTS = WeakTensorKeyDictionary()  # weight -> ((data pointer, version, dtype), the cast)
 
 
-def _version(w: torch.Tensor) -> int:
+def tensor_version(w: torch.Tensor) -> int:
+    """w's version counter (it moves at each in-place change), or -1 for a tensor made under inference_mode."""
     try:
         return w._version
     except RuntimeError:  # made under inference_mode: no version counter, and never changed in place
@@ -25,7 +26,7 @@ def _version(w: torch.Tensor) -> int:
 def frozen_cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if w.dtype == dtype:
         return w
-    key = (w.data_ptr(), _version(w), dtype)
+    key = (w.data_ptr(), tensor_version(w), dtype)
     held = _CASTS.get(w)
     if held is None or held[0] != key:
         held = (key, w.detach().to(dtype))

@@ -60,6 +60,19 @@ def _engine(path, max_running=4, **opts):
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
+def _assert_transformers_greedy(hf, prompts, outs):
+    """Each generated token is transformers' argmax over the sequence before it, its log-probability
+    transformers' within 1e-4."""
+    from families import hf_logits
+
+    for p, o in zip(prompts, outs):
+        n = len(o.token_ids)
+        ref = torch.log_softmax(hf_logits(hf, p + o.token_ids)[len(p) - 1:len(p) - 1 + n].double(), -1)
+        assert ref.argmax(-1).tolist() == o.token_ids
+        torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs], dtype=torch.double),
+                                   ref[range(n), o.token_ids], atol=1e-4, rtol=0)
+
+
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("name", DENSE)
@@ -67,20 +80,13 @@ def test_decode_layer_gives_transformers_logprobs_for_every_dense_family(name, i
     """Greedy decode through the operator (biases, q/k norms, Gemma's norms, GELU, softmax scale and local RoPE,
     sliding windows of 8 passed by 20-token sequences; steps of 1 and 3 requests): each token is transformers'
     argmax over the sequence so far and its log-probability is transformers' within 1e-4."""
-    from families import hf_logits
-
     hf = _family(name, tmp_path)
     engine = _engine(tmp_path, dtype="float32")
     assert all(s is not None for s in engine.runner.fused.native)
     prompts = _prompts(len(name))
     for batch in ([prompts[0]], prompts):
         outs = engine.generate(batch, PARAMS)
-        for p, o in zip(batch, outs):
-            n = len(o.token_ids)
-            ref = torch.log_softmax(hf_logits(hf, p + o.token_ids)[len(p) - 1:len(p) - 1 + n].double(), -1)
-            assert ref.argmax(-1).tolist() == o.token_ids
-            torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs], dtype=torch.double),
-                                       ref[range(n), o.token_ids], atol=1e-4, rtol=0)
+        _assert_transformers_greedy(hf, batch, outs)
     assert layer_calls and all(ran for ran, _ in layer_calls)
 
 
@@ -89,20 +95,13 @@ def test_decode_layer_gives_transformers_logprobs_for_every_dense_family(name, i
 def test_steps_past_the_kernels_rows_multiply_with_torch_inside_the_operator(name, tmp_path, layer_calls):
     """Steps of 5 to 16 requests run the operator with torch's products (more rows than GEMV_ROWS): each request's
     greedy tokens and log-probabilities are still transformers' (1e-4)."""
-    from families import hf_logits
-
     hf = _family(name, tmp_path)
     engine = _engine(tmp_path, max_running=8, dtype="float32")
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 14, 5, 11, 7)]
     outs = engine.generate(prompts, PARAMS)
     assert max(rows for _, rows in layer_calls) == 6 > native.GEMV_ROWS  # decode steps of all 6 requests
-    for p, o in zip(prompts, outs):
-        n = len(o.token_ids)
-        ref = torch.log_softmax(hf_logits(hf, p + o.token_ids)[len(p) - 1:len(p) - 1 + n].double(), -1)
-        assert ref.argmax(-1).tolist() == o.token_ids
-        torch.testing.assert_close(torch.tensor([t.logprob for t in o.logprobs], dtype=torch.double),
-                                   ref[range(n), o.token_ids], atol=1e-4, rtol=0)
+    _assert_transformers_greedy(hf, prompts, outs)
     assert layer_calls and all(ran for ran, _ in layer_calls)
 
 

@@ -22,7 +22,11 @@ def test_greedy_chat_equals_transformers(smollm2):
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     enc = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     ref = hf.generate(**enc, max_new_tokens=24, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    from astrai.infer.native import kernels
+
     engine = Engine.from_checkpoint(smollm2, EngineOptions(device="cpu", dtype="float32"))
+    # with astrai's CPU kernels built, every decode step runs all 30 layers as one call of the layers operator
+    assert engine.runner.fused.native_all == (kernels() is not None)
     (out,) = engine.generate([chat], SamplingParams(max_tokens=24, temperature=0))
     assert out.prompt_token_ids == enc["input_ids"][0].tolist()  # the template's default system prompt
     assert out.token_ids == ref[:len(out.token_ids)] and ref[len(out.token_ids) - 1] == tok.eos_token_id
