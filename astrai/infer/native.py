@@ -25,32 +25,22 @@ a contiguous range of W's rows once for all rows of x; larger steps (prefill) ke
 blocked kernels (AMX, MKL) reuse each weight over many rows. The int8 and int4 products run at every row
 count (torch's weight-only kernels were slower at all of them).
 
-The build: torch.utils.cpp_extension compiles the sources once per (sources, torch version) into the
-user's astrai cache (`kernels/cpu_gemv-<digest>`, a directory astrai makes and owns; about 15 s on two
-cores), and later processes load the built library in milliseconds. A failed build is said once
-on stderr, with its first error line, and the engine goes on with torch's products.
+The build (astrai.kernels.cpu_build): once per (sources, torch version) into the user's astrai cache, then
+loaded in milliseconds. A failed build is said once on stderr, and the engine goes on with torch's products.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from astrai.cache import cache_root
-from astrai.errors import InputError
+from astrai.kernels.cpu_build import build_dir, built  # noqa: F401  (build_dir: where they are built)
 from astrai.runtime.hardware import cpu_flags
 
-# beside the CUDA sources: the products, and the decode step's norm, RoPE and attention
-SOURCES = [Path(__file__).resolve().parents[1] / "kernels" / name
-           for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_layer.cpp")]
-HEADER = SOURCES[0].parent / "cpu_kernels.h"  # what cpu_layer.cpp calls of the other two
 GEMV_ROWS = 4  # steps of up to this many rows use the kernels (bench/RESULTS.md: level with torch's from ~8)
 # instruction sets of the kernels' `isa` argument: AVX2 + FMA, or AVX-512 (bf16: AVX-512 BF16; int8: AVX-512F)
 ISA_AVX2, ISA_AVX512 = 1, 2
@@ -116,62 +106,7 @@ def _load() -> Optional[Kernels]:
     chosen = isa_for(flags)
     if chosen is None:
         return None
-    try:
-        _build()
-    except Exception as e:  # no compiler, no headers, a full disk: torch's products instead
-        lines = str(e).splitlines() or [""]
-        first = next((ln for ln in lines if " error: " in ln), lines[0])
-        print(f"astrai: the CPU kernels did not build ({type(e).__name__}: {first.strip()[:200]}); "
-              "using torch's", file=sys.stderr)
-        return None
-    return chosen
-
-
-def build_dir() -> Path:
-    """Where the kernels of this source and torch version are built (inside astrai's cache)."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, HEADER]) + torch.__version__.encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"cpu_gemv-{digest}"
-
-
-def _build() -> None:
-    if hasattr(torch.ops.astrai, "gemv_bf16"):  # already registered in this process
-        return
-    from torch.utils.cpp_extension import load
-
-    try:
-        where = build_dir()
-    except InputError as e:
-        raise OSError(str(e)) from None
-    where.parent.parent.mkdir(parents=True, exist_ok=True)  # the cache root (the user's choice of place)
-    for d in (where.parent, where):  # never build through a link into somebody else's directory
-        if d.is_symlink():
-            raise OSError(f"{d} is not a directory astrai made (a link)")
-        d.mkdir(exist_ok=True)
-    if not (where / "astrai_cpu_gemv.so").exists():
-        print(f"astrai: building the CPU kernels once, into {where} (about 15 s)", file=sys.stderr, flush=True)
-    load(name="astrai_cpu_gemv", sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"], build_directory=str(where),
-         is_python_module=False, verbose=False)
-
-    # shapes for torch.compile's tracing (the compiled decode calls the operators inside its graph)
-    @torch.library.register_fake("astrai::gemv_bf16")
-    def _(x, w, isa, max_rows):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("astrai::gemv_int4")
-    def _(x, codes, scales, offsets):
-        return x.new_empty((x.shape[0], codes.shape[0]))
-
-    @torch.library.register_fake("astrai::rms_norm_cast")
-    def _(x, w, eps, to_bf16):
-        return x.new_empty(x.shape, dtype=torch.bfloat16 if to_bf16 else torch.float32)
-
-    @torch.library.register_fake("astrai::gemv_f32")
-    def _(x, w, isa, max_rows):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("astrai::gemv_int8")
-    def _(x, w, scales, isa):
-        return x.new_empty((x.shape[0], w.shape[0]))
+    return chosen if built() else None  # a failed build was said on stderr: torch's products instead
 
 
 class RowsWeight:

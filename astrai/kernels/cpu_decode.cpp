@@ -124,8 +124,6 @@ void rope_in_place(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 // score was most of the time), the weighted sum of V rows, divided by the sum: what
 // scaled_dot_product_attention computes, read through the slots in place of a gathered copy of the K/V.
 // Threads split the (request, K/V head) pairs.
-extern "C" __attribute__((target("avx512f"))) __m512 Sleef_expf16_u10(__m512);
-extern "C" __attribute__((target("avx2,fma"))) __m256 Sleef_expf8_u10avx2(__m256);
 
 struct Exp512 {
   __attribute__((target("avx512f"))) void operator()(float* p, int64_t n) const {

@@ -7,7 +7,13 @@
 #include <immintrin.h>
 #include <cstdint>
 
+// Sleef's float32 exp (u10: 1 ulp), the vector math torch itself links
+extern "C" __attribute__((target("avx512f"))) __m512 Sleef_expf16_u10(__m512);
+extern "C" __attribute__((target("avx2,fma"))) __m256 Sleef_expf8_u10avx2(__m256);
+
 namespace astrai {
+
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) { return Sleef_expf16_u10(x); }
 
 // the lanes of a 16-wide vector that hold elements when `left` of them remain (all 16 once 16 or more do)
 inline __mmask16 tail_mask16(int64_t left) {

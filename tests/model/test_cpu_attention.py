@@ -1,0 +1,118 @@
+"""Training's bf16 causal attention on CPU (astrai.model.cpu_attention: torch's flash forward, astrai's backward
+in astrai/kernels/cpu_attention.cpp) against float64 autograd of the same bf16 inputs."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.kernels.cpu_build import built
+from astrai.model import cpu_attention
+from astrai.model.attention import causal_sdpa
+from astrai.runtime.hardware import cpu_flags
+
+FLAGS = cpu_flags() or frozenset()
+# the kernel's own code needs AVX-512 (F, BW, VL); oneDNN multiplies bf16 on any AVX-512 CPU, fast with
+# avx512_bf16 or amx_bf16 (where training uses it)
+needs_kernel = pytest.mark.skipif(not ({"avx512f", "avx512bw", "avx512vl"} <= FLAGS and built()),
+                                  reason="the bf16 attention backward needs AVX-512 and astrai's built CPU kernels")
+U = 2.0 ** -8  # bf16's unit roundoff
+
+
+def reference(q, k, v, dout, scale):
+    """float64 causal attention of the bf16 values and its gradients, with the |terms| sums the bounds use."""
+    g = q.shape[1] // k.shape[1]
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    kr, vr = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
+    s = torch.einsum("qhd,khd->hqk", qd, kr) * scale
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    p = s.softmax(-1)
+    out = torch.einsum("hqk,khd->qhd", p, vr)
+    out.backward(dout.double())
+    with torch.no_grad():
+        do = dout.double()
+        dp = torch.einsum("qhd,khd->hqk", do, vr)
+        ds = p * (dp - (do * out).sum(-1).t()[:, :, None])
+        # |dS| plus what rowsum(dO o O) carries of the forward's output rounded to bf16 (U/2 of each term),
+        # halved here as U multiplies it below
+        ds_abs = ds.abs() + p * (do.abs() * out.abs()).sum(-1).t()[:, :, None] / 2
+        s_q, s_k = (x.double().abs() for x in (q, k))
+        # sum over the terms of each gradient element of |term|, per query head, folded onto the K/V heads
+        dq_terms = scale * torch.einsum("hqk,khd->qhd", ds_abs, s_k.repeat_interleave(g, 1))
+        dk_terms = scale * torch.einsum("hqk,qhd->khd", ds_abs, s_q).unflatten(1, (-1, g)).sum(2)
+        dv_terms = torch.einsum("hqk,qhd->khd", p, do.abs()).unflatten(1, (-1, g)).sum(2)
+    return out, (qd.grad, kd.grad, vd.grad), (dq_terms, dk_terms, dv_terms)
+
+
+def inputs(s, hq, hkv, d, seed, row_pad=0):
+    """q [s, hq, d], k/v [s, hkv, d] bf16, k and v as views into wider rows when row_pad (as a packed
+    projection's output gives them), and an upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, hq, d, generator=g).bfloat16()
+    wide = torch.randn(s, 2 * hkv * d + row_pad, generator=g).bfloat16()
+    k, v = (wide[:, i * hkv * d:(i + 1) * hkv * d].view(s, hkv, d) for i in range(2))
+    return q, k, v, torch.randn(s, hq, d, generator=g).bfloat16()
+
+
+@needs_kernel
+@pytest.mark.parametrize("s, hq, hkv, d, block, row_pad", [
+    (1, 2, 1, 16, 16, 0),  # one position
+    (37, 4, 2, 32, 16, 5),  # blocks with a tail, K/V rows wider than their heads
+    (100, 4, 4, 48, 64, 0),  # no grouping, a head size that is no multiple of 32
+    (300, 9, 3, 64, 64, 0),  # SmolLM2's heads
+    (700, 2, 1, 64, 64, 0),  # more than one 512-column chunk
+])
+def test_backward_matches_float64_within_bf16_bounds(s, hq, hkv, d, block, row_pad):
+    q, k, v, dout = inputs(s, hq, hkv, d, seed=s + hq, row_pad=row_pad)
+    scale = 1 / math.sqrt(d)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *(x.transpose(0, 1)[None] for x in (q, k, v)), 0.0, True, attn_mask=None, scale=scale)[:2]
+    out3 = out[0].transpose(0, 1)
+    got = torch.ops.astrai.causal_attention_backward(dout, q, k, v, out3, lse[0], scale, block)
+    _, ref, terms = reference(q, k, v, dout, scale)
+    for name, g, r, t in zip("qkv", got, ref, terms):
+        assert g.dtype == torch.bfloat16 and g.shape == r.shape
+        # P and dS rounded to bf16 before their products (U/2 of every term), the forward's bf16 output in
+        # rowsum(dO o O), float32 sums, the result rounded once (U/2 of it); twice that for safety
+        bound = 2 * (U * t + U / 2 * r.abs()) + 1e-6
+        err = (g.double() - r).abs()
+        worst = int((err - bound).argmax())
+        assert (err <= bound).all(), f"d{name}: {err.flatten()[worst]:.3g} where the bound is {bound.flatten()[worst]:.3g}"
+
+
+@needs_kernel
+def test_training_path_is_no_less_exact_than_torchs_backward():
+    """Through causal_sdpa with grads (what a bf16 training step runs): the kernel's errors against float64
+    are at most torch's own bf16 flash backward's, plus one bf16 unit of the gradient's size."""
+    q, k, v, dout = inputs(256, 6, 2, 64, seed=7)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    if not cpu_attention.usable(*leaves):
+        pytest.skip("this CPU has no fast bf16 products: training keeps torch's backward")
+    causal_sdpa(*leaves).backward(dout)
+    theirs = [x.clone().transpose(0, 1)[None].requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*theirs, is_causal=True, enable_gqa=True).backward(dout.transpose(0, 1)[None])
+    _, ref, _ = reference(q, k, v, dout, 1 / 8)
+    for ours, t, r in zip(leaves, theirs, ref):
+        ours_err = (ours.grad.double() - r).abs().max()
+        torch_err = (t.grad[0].transpose(0, 1).double() - r).abs().max()
+        assert ours_err <= torch_err + U * r.abs().max()
+
+
+def test_not_used_for_float32_or_without_gradients():
+    q = torch.randn(8, 2, 16, requires_grad=True)
+    assert not cpu_attention.usable(q, q, q)  # float32: torch's kernels
+    b = q.detach().bfloat16()
+    assert not cpu_attention.usable(b, b, b)  # nothing needs a gradient: inference keeps torch's forward
+    with torch.no_grad():
+        assert not cpu_attention.usable(b.requires_grad_(), b, b)
+
+
+@needs_kernel
+def test_refuses_inputs_it_cannot_read():
+    q = torch.randn(8, 4, 16).bfloat16()
+    lse = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        torch.ops.astrai.causal_attention_backward(q, q, q[:, :3], q[:, :3], q, lse, 0.25, 64)
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.astrai.causal_attention_backward(q.float(), q, q, q, q, lse, 0.25, 64)
