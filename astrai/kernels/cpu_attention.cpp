@@ -1,5 +1,5 @@
 // The backward of causal attention in bf16 for training, on CPUs whose oneDNN multiplies bf16 into float32
-// with AMX or AVX-512 BF16: torch.ops.astrai.causal_attention_backward, called by astrai.model.cpu_attention
+// with AMX or AVX-512 BF16: torch.ops.astrai.causal_attention_backward, called by astrai.model.cpu_ops
 // after torch's flash forward (whose backward computes every score of each query block, the masked half
 // included, at a fraction of the rate of these products).
 //

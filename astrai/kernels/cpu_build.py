@@ -6,8 +6,8 @@ astrai cache (`kernels/cpu_gemv-<digest>`, a directory astrai makes and owns, ne
 on two cores), and later processes load the built library in milliseconds. A failed build (no compiler, no
 headers, a full disk) is said once on stderr with its first error line, and callers keep torch's operators.
 
-Callers: astrai.infer.native (the engine's decode kernels) and astrai.model.cpu_attention (training's bf16
-attention backward).
+Callers: astrai.infer.native (the engine's decode kernels) and astrai.model.cpu_ops (training's bf16 attention
+backward, the gated MLP's activation).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from astrai.cache import cache_root
 from astrai.errors import InputError
 
 HERE = Path(__file__).resolve().parent
-# the few-row products; the decode step's norm, RoPE and attention; a whole decode layer; attention's backward
-SOURCES = [HERE / name for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_layer.cpp", "cpu_attention.cpp")]
+# the few-row products; the decode step's norm, RoPE and attention; a whole decode layer; training's attention
+# backward and gated activation
+SOURCES = [HERE / name for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_layer.cpp", "cpu_attention.cpp",
+                                    "cpu_swiglu.cpp")]
 HEADER = HERE / "cpu_kernels.h"  # the entry points the files share
 _STATE: dict = {}  # "built": the outcome, once decided in this process
 

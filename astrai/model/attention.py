@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.model import cpu_attention
+from astrai.model import cpu_ops
 from astrai.model import torch_floor  # noqa: F401  (refuses an older torch, with the fix)
 from astrai.model.rope import Rotary, apply_rotary
 
@@ -81,8 +81,8 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optio
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
     if window is not None and window < q.shape[0]:
         return banded_sdpa(q4, k4, v4, 0, 0, window, scale).squeeze(0).transpose(0, 1)
-    if cpu_attention.usable(q, k, v):  # bf16 training on a CPU with fast bf16 products: astrai's backward
-        return cpu_attention.causal_attention(q, k, v, scale)
+    if cpu_ops.attention_usable(q, k, v):  # bf16 training on a CPU with fast bf16 products: astrai's backward
+        return cpu_ops.causal_attention(q, k, v, scale)
     o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return o.squeeze(0).transpose(0, 1)  # not o[0]: its backward would zero-fill a full-size gradient
 

@@ -5,6 +5,9 @@ torch.autocast caches its casts of weights that require grad (leaf tensors), for
 kept for the backward anyway. `frozen_cast(w, dtype)` returns w in `dtype`, cast once and again only when w
 changes (its data pointer or version counter moved), held while w lives (a weak reference). The values are the
 ones autocast would compute: the same rounding of the same weight.
+
+`shared_input(x)` casts an activation once for the several products that read it (q/k/v, gate/up): autocast
+casts it per product, three times for q/k/v, and casts each product's gradient back to float32 separately.
 """
 
 from __future__ import annotations
@@ -32,3 +35,15 @@ def frozen_cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         held = (key, w.detach().to(dtype))
         _CASTS[w] = held
     return held[1]
+
+
+def shared_input(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype where autocast is on for x's device and x is float32 (what autocast would give each
+    product that reads x, cast once; the products' gradients then sum in that dtype, one rounding more, and are
+    cast back once); x itself otherwise."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if dtype != torch.float32:
+            return x.to(dtype)
+    return x

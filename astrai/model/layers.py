@@ -23,7 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from astrai.model import cpu_ops
 from astrai.model.attention import AttentionContext
+from astrai.model.casts import shared_input
 from astrai.model.config import ModelConfig
 from astrai.model.rope import Rotary
 
@@ -85,6 +87,7 @@ class Attention(nn.Module):
 
     def forward(self, x, position_ids, ctx: AttentionContext, rope: Rotary):
         t = x.shape[0]
+        x = shared_input(x)  # under autocast: cast once for q, k and v
         q = self.q_proj(x).view(t, self.hq, self.d)
         k = self.k_proj(x).view(t, self.hkv, self.d)
         v = self.v_proj(x).view(t, self.hkv, self.d)
@@ -106,7 +109,11 @@ class MLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        x = shared_input(x)  # under autocast: cast once for gate and up
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if self.act is F.silu and cpu_ops.swiglu_usable(g, u):  # training on CPU: one pass each way
+            return self.down_proj(cpu_ops.swiglu(g, u))
+        return self.down_proj(self.act(g) * u)
 
 
 class Expert(nn.Module):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from astrai.cache import cache_root
 from astrai.infer import native
 from astrai.model import quant
 from astrai.runtime.hardware import cpu_flags
@@ -113,7 +114,7 @@ def test_switched_off_the_engine_keeps_torchs_products(tmp_path):
 @needs_kernels
 def test_avx2_mode_takes_the_avx2_paths_on_any_avx2_cpu():
     r = _run("from astrai.infer import native; k = native.kernels(); print(k.bf16_isa, k.int8_isa, k.int4)",
-             native.cache_root(), ASTRAI_NATIVE="avx2")
+             cache_root(), ASTRAI_NATIVE="avx2")
     assert r.stdout.split() == [str(native.ISA_AVX2), str(native.ISA_AVX2), "False"], r.stderr
 
 

@@ -1,5 +1,6 @@
-"""Training's bf16 causal attention on CPU (astrai.model.cpu_attention: torch's flash forward, astrai's backward
-in astrai/kernels/cpu_attention.cpp) against float64 autograd of the same bf16 inputs."""
+"""Training's CPU operations (astrai.model.cpu_ops): bf16 causal attention (torch's flash forward, astrai's
+backward in astrai/kernels/cpu_attention.cpp) and the gated activation (cpu_swiglu.cpp), against float64
+autograd of the same inputs."""
 
 import math
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.kernels.cpu_build import built
-from astrai.model import cpu_attention
+from astrai.model import cpu_ops
 from astrai.model.attention import causal_sdpa
 from astrai.runtime.hardware import cpu_flags
 
@@ -17,7 +18,7 @@ FLAGS = cpu_flags() or frozenset()
 # avx512_bf16 or amx_bf16 (where training uses it)
 needs_kernel = pytest.mark.skipif(not ({"avx512f", "avx512bw", "avx512vl"} <= FLAGS and built()),
                                   reason="the bf16 attention backward needs AVX-512 and astrai's built CPU kernels")
-U = 2.0 ** -8  # bf16's unit roundoff
+U = 2.0 ** -8  # bf16's unit roundoff: rounding to nearest is off by at most U of the value
 
 
 def reference(q, k, v, dout, scale):
@@ -34,9 +35,8 @@ def reference(q, k, v, dout, scale):
         do = dout.double()
         dp = torch.einsum("qhd,khd->hqk", do, vr)
         ds = p * (dp - (do * out).sum(-1).t()[:, :, None])
-        # |dS| plus what rowsum(dO o O) carries of the forward's output rounded to bf16 (U/2 of each term),
-        # halved here as U multiplies it below
-        ds_abs = ds.abs() + p * (do.abs() * out.abs()).sum(-1).t()[:, :, None] / 2
+        # |dS| plus what rowsum(dO o O) carries of the forward's output rounded to bf16 (U of each term)
+        ds_abs = ds.abs() + p * (do.abs() * out.abs()).sum(-1).t()[:, :, None]
         s_q, s_k = (x.double().abs() for x in (q, k))
         # sum over the terms of each gradient element of |term|, per query head, folded onto the K/V heads
         dq_terms = scale * torch.einsum("hqk,khd->qhd", ds_abs, s_k.repeat_interleave(g, 1))
@@ -73,9 +73,9 @@ def test_backward_matches_float64_within_bf16_bounds(s, hq, hkv, d, block, row_p
     _, ref, terms = reference(q, k, v, dout, scale)
     for name, g, r, t in zip("qkv", got, ref, terms):
         assert g.dtype == torch.bfloat16 and g.shape == r.shape
-        # P and dS rounded to bf16 before their products (U/2 of every term), the forward's bf16 output in
-        # rowsum(dO o O), float32 sums, the result rounded once (U/2 of it); twice that for safety
-        bound = 2 * (U * t + U / 2 * r.abs()) + 1e-6
+        # P and dS rounded to bf16 before their products (U of every term), the forward's bf16 output in
+        # rowsum(dO o O), float32 sums, the result rounded once (U of it); twice that for safety
+        bound = 2 * (U * t + U * r.abs()) + 1e-6
         err = (g.double() - r).abs()
         worst = int((err - bound).argmax())
         assert (err <= bound).all(), f"d{name}: {err.flatten()[worst]:.3g} where the bound is {bound.flatten()[worst]:.3g}"
@@ -87,7 +87,7 @@ def test_training_path_is_no_less_exact_than_torchs_backward():
     are at most torch's own bf16 flash backward's, plus one bf16 unit of the gradient's size."""
     q, k, v, dout = inputs(256, 6, 2, 64, seed=7)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    if not cpu_attention.usable(*leaves):
+    if not cpu_ops.attention_usable(*leaves):
         pytest.skip("this CPU has no fast bf16 products: training keeps torch's backward")
     causal_sdpa(*leaves).backward(dout)
     theirs = [x.clone().transpose(0, 1)[None].requires_grad_() for x in (q, k, v)]
@@ -101,11 +101,11 @@ def test_training_path_is_no_less_exact_than_torchs_backward():
 
 def test_not_used_for_float32_or_without_gradients():
     q = torch.randn(8, 2, 16, requires_grad=True)
-    assert not cpu_attention.usable(q, q, q)  # float32: torch's kernels
+    assert not cpu_ops.attention_usable(q, q, q)  # float32: torch's kernels
     b = q.detach().bfloat16()
-    assert not cpu_attention.usable(b, b, b)  # nothing needs a gradient: inference keeps torch's forward
+    assert not cpu_ops.attention_usable(b, b, b)  # nothing needs a gradient: inference keeps torch's forward
     with torch.no_grad():
-        assert not cpu_attention.usable(b.requires_grad_(), b, b)
+        assert not cpu_ops.attention_usable(b.requires_grad_(), b, b)
 
 
 @needs_kernel
@@ -116,3 +116,58 @@ def test_refuses_inputs_it_cannot_read():
         torch.ops.astrai.causal_attention_backward(q, q, q[:, :3], q[:, :3], q, lse, 0.25, 64)
     with pytest.raises(RuntimeError, match="bf16"):
         torch.ops.astrai.causal_attention_backward(q.float(), q, q, q, q, lse, 0.25, 64)
+
+
+needs_avx512 = pytest.mark.skipif(not ({"avx512f", "avx512bw", "avx512vl"} <= FLAGS and built()),
+                                  reason="the gated activation's kernel needs AVX-512 and astrai's built CPU kernels")
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (37,), (3, 1536), (70001,)])
+def test_swiglu_matches_float64_rounded_once(dtype, shape):
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    gate, up, dh = (torch.randn(shape, generator=g).mul(4).to(dtype) for _ in range(3))
+    gate.view(-1)[0] = -100.0  # sigmoid underflows to 0: no NaN out of exp's overflow
+    gd, ud, dhd = (x.double() for x in (gate, up, dh))
+    sig = torch.sigmoid(gd)
+    ref_h, ref_du = gd * sig * ud, dhd * gd * sig
+    dsilu = sig * (1 + gd * (1 - sig))
+    ref_dg = dhd * ud * dsilu
+    h = torch.ops.astrai.swiglu(gate, up)
+    dg, du = torch.ops.astrai.swiglu_backward(dh, gate, up)
+    unit = 2.0 ** -24 if dtype == torch.float32 else U
+    # float32 arithmetic (a few operations of 2^-24 each, exp to 1 ulp, on the sizes of the factors), then the
+    # result rounded once to the dtype
+    terms = (gd.abs() * sig * ud.abs(), dhd.abs() * gd.abs() * sig,
+             dhd.abs() * ud.abs() * sig * (1 + gd.abs() * (1 - sig)))
+    for name, got, ref, t in zip(("h", "d gate", "d up"), (h, dg, du), (ref_h, ref_dg, ref_du),
+                                 (terms[0], terms[2], terms[1])):
+        assert got.dtype == dtype and got.shape == gate.shape
+        bound = 16 * 2.0 ** -24 * t + unit * ref.abs() + 1e-30
+        err = (got.double() - ref).abs()
+        assert (err <= bound).all(), f"{name}: {(err - bound).max():.3g} past the bound"
+
+
+@needs_avx512
+def test_an_mlp_takes_the_kernel_and_gets_torchs_gradients(monkeypatch):
+    from astrai.model.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(64, 160, "silu")
+    x = torch.randn(33, 64, requires_grad=True)
+    calls, kernel = [], cpu_ops.swiglu
+    monkeypatch.setattr(cpu_ops, "swiglu", lambda g, u: (calls.append(g.shape), kernel(g, u))[1])
+    y = mlp(x)
+    assert calls == [(33, 160)], "the training forward did not take the kernel"
+    y.square().sum().backward()
+    ours = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    x.grad = None
+    mlp.zero_grad()
+    ref = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))  # torch's operators
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    ref.square().sum().backward()
+    for a, b in zip(ours, [x.grad] + [p.grad for p in mlp.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(mlp(x), y)  # scored without gradients (a reference policy): the same bits

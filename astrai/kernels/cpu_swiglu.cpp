@@ -1,0 +1,121 @@
+// The gated MLP's activation for training on AVX-512 CPUs, forward and backward each in one pass:
+// torch.ops.astrai.swiglu(gate, up) -> silu(gate) * up and torch.ops.astrai.swiglu_backward(dh, gate, up) ->
+// (d gate, d up), called by astrai.model.cpu_ops. torch runs them as five passes over [tokens, inner] (silu,
+// mul; mul, mul, silu_backward), each widening bf16 to float32 and rounding back.
+//
+// gate, up and dh: contiguous, the same shape, float32 or bf16 (all three alike). Computed in float32 (silu
+// through Sleef's exp, 1 ulp) and rounded once to the inputs' dtype:
+//   h = g sigmoid(g) u;  d up = dh g sigmoid(g);  d gate = dh u sigmoid(g) (1 + g (1 - sigmoid(g))).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <vector>
+#include <immintrin.h>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load(const bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store(float* p, __mmask16 m, __m512 x) {
+  _mm512_mask_storeu_ps(p, m, x);
+}
+// rounded to nearest even, as torch rounds float32 to bf16 (inputs here are finite or inf; a NaN stays a NaN)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store(bf16* p, __mmask16 m, __m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+
+__attribute__((target("avx512f"))) inline __m512 sigmoid(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_div_ps(one, _mm512_add_ps(one, astrai::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+// elements [b, e) of h = silu(g) u
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void forward_range(const T* g, const T* u, T* h, int64_t b,
+                                                                         int64_t e) {
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 m = astrai::tail_mask16(e - i);
+    const __m512 gv = load(g + i, m);
+    store(h + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid(gv)), load(u + i, m)));
+  }
+}
+
+// elements [b, e) of d gate and d up
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void backward_range(const T* dh, const T* g, const T* u, T* dg,
+                                                                          T* du, int64_t b, int64_t e) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 m = astrai::tail_mask16(e - i);
+    const __m512 gv = load(g + i, m), dv = load(dh + i, m), s = sigmoid(gv);
+    store(du + i, m, _mm512_mul_ps(dv, _mm512_mul_ps(gv, s)));
+    const __m512 dsilu = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
+    store(dg + i, m, _mm512_mul_ps(_mm512_mul_ps(dv, load(u + i, m)), dsilu));
+  }
+}
+
+template <typename T>
+void forward(const T* g, const T* u, T* h, int64_t n) {
+  at::parallel_for(0, n, 16384, [&](int64_t b, int64_t e) { forward_range(g, u, h, b, e); });
+}
+
+template <typename T>
+void backward(const T* dh, const T* g, const T* u, T* dg, T* du, int64_t n) {
+  at::parallel_for(0, n, 16384, [&](int64_t b, int64_t e) { backward_range(dh, g, u, dg, du, b, e); });
+}
+
+void check(const std::vector<const at::Tensor*>& ts) {
+  for (const at::Tensor* t : ts) {
+    TORCH_CHECK(t->is_contiguous() && t->sizes() == ts[0]->sizes() && t->scalar_type() == ts[0]->scalar_type() &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
+                "swiglu: contiguous float32 or bf16 tensors of one shape and dtype");
+  }
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  check({&gate, &up});
+  at::Tensor h = at::empty_like(gate);
+  if (gate.scalar_type() == at::kFloat)
+    forward(gate.const_data_ptr<float>(), up.const_data_ptr<float>(), h.data_ptr<float>(), gate.numel());
+  else
+    forward(gate.const_data_ptr<bf16>(), up.const_data_ptr<bf16>(), h.data_ptr<bf16>(), gate.numel());
+  return h;
+}
+
+std::vector<at::Tensor> swiglu_backward(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up) {
+  check({&dh, &gate, &up});
+  at::Tensor dg = at::empty_like(gate), du = at::empty_like(up);
+  if (gate.scalar_type() == at::kFloat)
+    backward(dh.const_data_ptr<float>(), gate.const_data_ptr<float>(), up.const_data_ptr<float>(),
+             dg.data_ptr<float>(), du.data_ptr<float>(), gate.numel());
+  else
+    backward(dh.const_data_ptr<bf16>(), gate.const_data_ptr<bf16>(), up.const_data_ptr<bf16>(), dg.data_ptr<bf16>(),
+             du.data_ptr<bf16>(), gate.numel());
+  return {dg, du};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(astrai, m) {
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor dh, Tensor gate, Tensor up) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(astrai, CPU, m) {
+  m.impl("swiglu", &swiglu);
+  m.impl("swiglu_backward", &swiglu_backward);
+}

@@ -1,0 +1,108 @@
+"""Training operations on CPU through astrai's own kernels (astrai/kernels/cpu_attention.cpp, cpu_swiglu.cpp).
+
+Causal attention in bf16: torch's CPU flash-attention backward computes every score of each query block
+against all keys, the causally masked half included, with products that reach a fraction of what oneDNN's
+bf16 matrix product does on a CPU with AMX or AVX-512 BF16 (bench/RESULTS.md: 6.6-7.0 ms against 2.7-3.3 ms
+per SmolLM2 layer at 512 tokens, 2 threads). `causal_attention(q, k, v, scale)` runs torch's forward
+(`aten._scaled_dot_product_flash_attention_for_cpu`, which returns the log-sum-exp the backward needs) and,
+for the gradients, `torch.ops.astrai.causal_attention_backward`: the products over the unmasked blocks only,
+sums in float32. `attention_usable(q, k, v)` says whether a call takes it: bf16 CPU tensors of which one
+needs a gradient, on a CPU with `avx512_bf16` or `amx_bf16` (elsewhere torch's backward is kept).
+
+The gated MLP's activation: `swiglu(gate, up)` = silu(gate) * up, forward and backward each one pass of
+`torch.ops.astrai.swiglu(_backward)` (torch runs five, each widening bf16 and rounding back), computed in
+float32 and rounded once; `swiglu_usable(gate, up)`: float32 or bf16 CPU tensors alike, with or without
+gradients (a policy scored without them, GRPO's old policy or DPO's reference, computes what its training
+forward computes, to the bit).
+
+Both need AVX-512 (F, BW, VL), the kernels built (astrai.kernels.cpu_build), not torch.compile's tracing,
+and `ASTRAI_NATIVE` not 0. The engine's own layers (astrai.infer) compute their activation themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from astrai.runtime.hardware import BF16_CPU_FLAGS, cpu_flags
+
+BLOCK = 64  # positions per block of the attention backward's products (64 and 128 ran alike at 512 tokens)
+_STATE: dict = {}  # "avx512": the kernels run here; "bf16": and the CPU multiplies bf16 fast (decided once)
+
+
+def _ready(bf16_products: bool) -> bool:
+    if "avx512" not in _STATE:
+        flags = cpu_flags() or frozenset()
+        ok = os.environ.get("ASTRAI_NATIVE", "1") != "0" and {"avx512f", "avx512bw", "avx512vl"} <= flags
+        if ok:
+            from astrai.kernels.cpu_build import built
+
+            ok = built()
+        _STATE["avx512"], _STATE["bf16"] = ok, ok and any(f in flags for f in BF16_CPU_FLAGS)
+    return _STATE["bf16" if bf16_products else "avx512"]
+
+
+def _training(*xs: torch.Tensor) -> bool:
+    return (xs[0].device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+            and not torch.compiler.is_compiling())
+
+
+def attention_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether causal_attention runs for these [S, H, D] inputs (see the module docstring)."""
+    return q.dtype == k.dtype == v.dtype == torch.bfloat16 and _training(q, k, v) and _ready(bf16_products=True)
+
+
+def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether swiglu runs for these inputs (see the module docstring)."""
+    return (gate.device.type == "cpu" and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16)
+            and gate.shape == up.shape and not torch.compiler.is_compiling() and _ready(bf16_products=False))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [S, H, D] with heads D apart and elements contiguous (rows may be further apart), as the kernel reads."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *(x.transpose(0, 1)[None] for x in (q, k, v)), 0.0, True, attn_mask=None, scale=scale)[:2]
+        out = out[0].transpose(0, 1)  # [S, Hq, D]
+        ctx.save_for_backward(q, k, v, out, lse[0])
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.astrai.causal_attention_backward(_rows(dout), q, k, v, _rows(out), lse, ctx.scale,
+                                                                 BLOCK)
+        return dq, dk, dv, None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+    """Causal attention of one sequence, q [S, Hq, D], k/v [S, Hkv, D] bf16 -> [S, Hq, D]; `attention_usable`
+    first."""
+    return _CausalAttention.apply(q, k, v, q.shape[-1] ** -0.5 if scale is None else float(scale))
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up)
+        return torch.ops.astrai.swiglu(gate, up)
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        return tuple(torch.ops.astrai.swiglu_backward(dh.contiguous(), gate, up))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; `swiglu_usable` first."""
+    return _SwiGLU.apply(gate, up)
