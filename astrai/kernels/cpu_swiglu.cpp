@@ -3,9 +3,12 @@
 // (d gate, d up), called by astrai.model.cpu_ops. torch runs them as five passes over [tokens, inner] (silu,
 // mul; mul, mul, silu_backward), each widening bf16 to float32 and rounding back.
 //
-// gate, up and dh: contiguous, the same shape, float32 or bf16 (all three alike). Computed in float32 (silu
-// through Sleef's exp, 1 ulp) and rounded once to the inputs' dtype:
-//   h = g sigmoid(g) u;  d up = dh g sigmoid(g);  d gate = dh u sigmoid(g) (1 + g (1 - sigmoid(g))).
+// gate, up and dh: contiguous, the same shape, float32 or bf16 (all three alike). The arithmetic is torch's,
+// operation for operation in float32 (its CPU silu and silu_backward formulas, exp by the same Sleef
+// function), rounded to the inputs' dtype where torch's separate operations round (R below; nothing for
+// float32), so the results are torch's:
+//   s = R(g / (1 + exp(-g)));  h = R(s u);  d up = R(dh s);
+//   sig = 1 / (1 + exp(-g));  d gate = R(R(dh u) sig (1 + g (1 - sig))).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,9 +41,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store(bf16* p, 
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
-__attribute__((target("avx512f"))) inline __m512 sigmoid(__m512 g) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  return _mm512_div_ps(one, _mm512_add_ps(one, astrai::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+__attribute__((target("avx512f"))) inline __m512 one_plus_exp_neg(__m512 g) {
+  return _mm512_add_ps(_mm512_set1_ps(1.f), astrai::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+}
+
+// x rounded to T and widened back (nothing for float32)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(float*, __m512 x) { return x; }
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(bf16*, __m512 x) {
+  alignas(64) bf16 tmp[16];
+  store(tmp, 0xffff, x);
+  return load(tmp, 0xffff);
 }
 
 // elements [b, e) of h = silu(g) u
@@ -50,7 +60,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void forward_range(const T*
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 m = astrai::tail_mask16(e - i);
     const __m512 gv = load(g + i, m);
-    store(h + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid(gv)), load(u + i, m)));
+    const __m512 s = round_to(static_cast<T*>(nullptr), _mm512_div_ps(gv, one_plus_exp_neg(gv)));
+    store(h + i, m, _mm512_mul_ps(s, load(u + i, m)));
   }
 }
 
@@ -61,10 +72,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void backward_range(const T
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 m = astrai::tail_mask16(e - i);
-    const __m512 gv = load(g + i, m), dv = load(dh + i, m), s = sigmoid(gv);
-    store(du + i, m, _mm512_mul_ps(dv, _mm512_mul_ps(gv, s)));
-    const __m512 dsilu = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
-    store(dg + i, m, _mm512_mul_ps(_mm512_mul_ps(dv, load(u + i, m)), dsilu));
+    const __m512 gv = load(g + i, m), dv = load(dh + i, m), denom = one_plus_exp_neg(gv);
+    const __m512 s = round_to(static_cast<T*>(nullptr), _mm512_div_ps(gv, denom));
+    store(du + i, m, _mm512_mul_ps(dv, s));
+    const __m512 t = round_to(static_cast<T*>(nullptr), _mm512_mul_ps(dv, load(u + i, m)));
+    const __m512 sig = _mm512_div_ps(one, denom);
+    const __m512 tail = _mm512_add_ps(one, _mm512_mul_ps(gv, _mm512_sub_ps(one, sig)));
+    store(dg + i, m, _mm512_mul_ps(_mm512_mul_ps(t, sig), tail));
   }
 }
 

@@ -10,8 +10,8 @@ sums in float32. `attention_usable(q, k, v)` says whether a call takes it: bf16 
 needs a gradient, on a CPU with `avx512_bf16` or `amx_bf16` (elsewhere torch's backward is kept).
 
 The gated MLP's activation: `swiglu(gate, up)` = silu(gate) * up, forward and backward each one pass of
-`torch.ops.astrai.swiglu(_backward)` (torch runs five, each widening bf16 and rounding back), computed in
-float32 and rounded once; `swiglu_usable(gate, up)`: float32 or bf16 CPU tensors alike, with or without
+`torch.ops.astrai.swiglu(_backward)` (torch runs five, each widening bf16 and rounding back), torch's own
+arithmetic rounded where its operators round (equal to torch's results but for its scalar tails' libm exp); `swiglu_usable(gate, up)`: float32 or bf16 CPU tensors alike, with or without
 gradients (a policy scored without them, GRPO's old policy or DPO's reference, computes what its training
 forward computes, to the bit).
 

@@ -122,31 +122,32 @@ needs_avx512 = pytest.mark.skipif(not ({"avx512f", "avx512bw", "avx512vl"} <= FL
                                   reason="the gated activation's kernel needs AVX-512 and astrai's built CPU kernels")
 
 
+def torchs_swiglu(gate, up, dh):
+    """silu(gate) * up and its gradients by torch's own operators and autograd."""
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    h = F.silu(g) * u
+    h.backward(dh)
+    return h.detach(), g.grad, u.grad
+
+
 @needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1,), (37,), (3, 1536), (70001,)])
-def test_swiglu_matches_float64_rounded_once(dtype, shape):
+def test_swiglu_computes_what_torchs_operators_compute(dtype, shape):
+    """The same arithmetic as torch's silu, mul and silu_backward, rounded where they round: within one unit
+    of the dtype everywhere, and equal to the bit wherever torch's CPU kernels take their AVX-512 path (the
+    same Sleef exp; torch's scalar loop over the last elements of each thread's range calls libm's exp)."""
     g = torch.Generator().manual_seed(len(shape) + shape[-1])
     gate, up, dh = (torch.randn(shape, generator=g).mul(4).to(dtype) for _ in range(3))
-    gate.view(-1)[0] = -100.0  # sigmoid underflows to 0: no NaN out of exp's overflow
-    gd, ud, dhd = (x.double() for x in (gate, up, dh))
-    sig = torch.sigmoid(gd)
-    ref_h, ref_du = gd * sig * ud, dhd * gd * sig
-    dsilu = sig * (1 + gd * (1 - sig))
-    ref_dg = dhd * ud * dsilu
-    h = torch.ops.astrai.swiglu(gate, up)
-    dg, du = torch.ops.astrai.swiglu_backward(dh, gate, up)
-    unit = 2.0 ** -24 if dtype == torch.float32 else U
-    # float32 arithmetic (a few operations of 2^-24 each, exp to 1 ulp, on the sizes of the factors), then the
-    # result rounded once to the dtype
-    terms = (gd.abs() * sig * ud.abs(), dhd.abs() * gd.abs() * sig,
-             dhd.abs() * ud.abs() * sig * (1 + gd.abs() * (1 - sig)))
-    for name, got, ref, t in zip(("h", "d gate", "d up"), (h, dg, du), (ref_h, ref_dg, ref_du),
-                                 (terms[0], terms[2], terms[1])):
-        assert got.dtype == dtype and got.shape == gate.shape
-        bound = 16 * 2.0 ** -24 * t + unit * ref.abs() + 1e-30
-        err = (got.double() - ref).abs()
-        assert (err <= bound).all(), f"{name}: {(err - bound).max():.3g} past the bound"
+    gate.view(-1)[0] = -100.0  # exp(100) overflows to inf: silu and its gradient are 0 (-0), not NaN
+    got = (torch.ops.astrai.swiglu(gate, up), *torch.ops.astrai.swiglu_backward(dh, gate, up))
+    unit = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -7  # one unit in the last place, relative
+    for name, ours, theirs in zip(("h", "d gate", "d up"), got, torchs_swiglu(gate, up, dh)):
+        assert ours.dtype == dtype and ours.shape == gate.shape
+        torch.testing.assert_close(ours, theirs, rtol=unit, atol=1e-40, msg=name)
+        assert not ours.isnan().any()
+        if torch.backends.cpu.get_cpu_capability() == "AVX512":
+            assert (ours != theirs).sum() <= max(1, ours.numel() // 1000), name
 
 
 @needs_avx512
