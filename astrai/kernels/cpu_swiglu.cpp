@@ -48,9 +48,13 @@ __attribute__((target("avx512f"))) inline __m512 one_plus_exp_neg(__m512 g) {
 // x rounded to T and widened back (nothing for float32)
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(float*, __m512 x) { return x; }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(bf16*, __m512 x) {
-  alignas(64) bf16 tmp[16];
-  store(tmp, 0xffff, x);
-  return load(tmp, 0xffff);
+  // as store(bf16) rounds: to nearest even, in the upper 16 bits; a NaN keeps its top bits, made quiet
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
 // elements [b, e) of h = silu(g) u
