@@ -290,7 +290,10 @@ class Engine:
 
     # ---- one step ----
     def step(self) -> list[tuple[Request, int, str]]:
-        """Run one forward; returns (request, sampled token, newly visible text) per sampled token."""
+        """Run one forward; returns (request, sampled token, newly visible text) per sampled token: nothing,
+        and no forward, when no request is waiting or running."""
+        if not self.scheduler.has_work():
+            return []
         t0 = time.perf_counter()
         if self.asleep:
             self.wake()

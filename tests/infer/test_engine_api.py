@@ -122,3 +122,12 @@ def test_cpu_lm_head_copy_follows_the_weight(engine):
         model.lm_head.weight.mul_(-2.0)
         assert runner.sync_weights()  # what Engine.step does first
         torch.testing.assert_close(runner.logits(h), model.logits(h), atol=1e-5, rtol=1e-5)
+
+
+def test_stepping_an_idle_engine_returns_nothing(engine):
+    """Before any request and after the last has finished, a step has nothing to run: no tokens, no error."""
+    assert engine.step() == []
+    done = engine.generate("hello world", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert len(done.token_ids) == 3
+    assert engine.step() == [] and engine.step() == []
+    assert engine.generate("hello world", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0].token_ids == done.token_ids
