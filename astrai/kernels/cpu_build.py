@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 # the few-row products; the decode step's norm, RoPE and attention; a whole decode layer; training's attention
 # backward and gated activation
 SOURCES = [HERE / name for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_layer.cpp", "cpu_attention.cpp",
-                                    "cpu_swiglu.cpp")]
+                                    "cpu_train.cpp")]
 HEADER = HERE / "cpu_kernels.h"  # the entry points the files share
 _STATE: dict = {}  # "built": the outcome, once decided in this process
 

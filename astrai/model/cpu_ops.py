@@ -1,4 +1,4 @@
-"""Training operations on CPU through astrai's own kernels (astrai/kernels/cpu_attention.cpp, cpu_swiglu.cpp).
+"""Training operations on CPU through astrai's own kernels (astrai/kernels/cpu_attention.cpp, cpu_train.cpp).
 
 Causal attention in bf16: torch's CPU flash-attention backward computes every score of each query block
 against all keys, the causally masked half included, with products that reach a fraction of what oneDNN's
@@ -14,6 +14,10 @@ The gated MLP's activation: `swiglu(gate, up)` = silu(gate) * up, forward and ba
 arithmetic rounded where its operators round (equal to torch's results but for its scalar tails' libm exp); `swiglu_usable(gate, up)`: float32 or bf16 CPU tensors alike, with or without
 gradients (a policy scored without them, GRPO's old policy or DPO's reference, computes what its training
 forward computes, to the bit).
+
+Rotary embedding: `rotary(x, cos, sin)` = x * cos + rotate_half(x) * sin (astrai.model.rope), forward and
+backward each one pass of `torch.ops.astrai.rotary` (torch runs four to six), the same operations rounded where
+torch's round: torch's results to the bit; `rotary_usable(x, cos)`: float32 or bf16 CPU tensors alike.
 
 Both need AVX-512 (F, BW, VL), the kernels built (astrai.kernels.cpu_build), not torch.compile's tracing,
 and `ASTRAI_NATIVE` not 0. The engine's own layers (astrai.infer) compute their activation themselves.
@@ -58,6 +62,12 @@ def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether swiglu runs for these inputs (see the module docstring)."""
     return (gate.device.type == "cpu" and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16)
             and gate.shape == up.shape and not torch.compiler.is_compiling() and _ready(bf16_products=False))
+
+
+def rotary_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether rotary runs for x [T, H, D] and cos [T, D] (see the module docstring)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 3
+            and x.shape[-1] % 2 == 0 and not torch.compiler.is_compiling() and _ready(bf16_products=False))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -106,3 +116,20 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; `swiglu_usable` first."""
     return _SwiGLU.apply(gate, up)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return torch.ops.astrai.rotary(x.contiguous(), cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return torch.ops.astrai.rotary(g.contiguous(), cos, sin, True), None, None
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos, sin [T, D] contiguous in x's dtype; `rotary_usable` first."""
+    return _Rotary.apply(x, cos, sin)

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from astrai.model import cpu_ops
+
 # positions tabled up front; more are added on demand (a 128k-context config does not cost 128k rows)
 INITIAL_POSITIONS = 4096
 
@@ -157,6 +159,9 @@ class _Rotate(torch.autograd.Function):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D] -> rotated q, k in their own dtype (as HF)."""
+    if cpu_ops.rotary_usable(q, cos) and k.dtype == q.dtype:  # one pass each way, torch's bits (AVX-512 CPUs)
+        cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
+        return cpu_ops.rotary(q, cos, sin), cpu_ops.rotary(k, cos, sin)
     cos = cos[:, None, :].to(q.dtype)
     sin = sin[:, None, :].to(q.dtype)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):

@@ -172,3 +172,26 @@ def test_an_mlp_takes_the_kernel_and_gets_torchs_gradients(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         assert torch.equal(mlp(x), y)  # scored without gradients (a reference policy): the same bits
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, h, d", [(1, 1, 2), (5, 3, 48), (300, 9, 64), (33, 2, 128)])
+def test_rotary_is_torchs_to_the_bit(dtype, t, h, d):
+    """The rotation and its backward against astrai.model.rope's torch operators (x * cos + rotate_half(x) * sin
+    and its autograd): no transcendental function, so equal to the bit in both dtypes."""
+    from astrai.model.rope import rotate_half
+
+    g = torch.Generator().manual_seed(t * h + d)
+    x = torch.randn(t, h, d, generator=g).to(dtype)
+    angle = torch.rand(t, d, generator=g) * 7
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    up = torch.randn(t, h, d, generator=g).to(dtype)
+    ours_x = x.clone().requires_grad_()
+    ours = cpu_ops.rotary(ours_x, cos, sin)
+    ours.backward(up)
+    ref_x = x.clone().requires_grad_()
+    ref = ref_x * cos[:, None] + rotate_half(ref_x) * sin[:, None]  # autograd through torch's operators
+    ref.backward(up)
+    assert ours.dtype == dtype and torch.equal(ours, ref)
+    assert torch.equal(ours_x.grad, ref_x.grad)

@@ -1,14 +1,18 @@
-// The gated MLP's activation for training on AVX-512 CPUs, forward and backward each in one pass:
-// torch.ops.astrai.swiglu(gate, up) -> silu(gate) * up and torch.ops.astrai.swiglu_backward(dh, gate, up) ->
-// (d gate, d up), called by astrai.model.cpu_ops. torch runs them as five passes over [tokens, inner] (silu,
-// mul; mul, mul, silu_backward), each widening bf16 to float32 and rounding back.
+// Elementwise operations of a training step on AVX-512 CPUs, each forward and backward in one pass, called by
+// astrai.model.cpu_ops. torch runs each as several passes over the activations, widening bf16 to float32 and
+// rounding back at every one; these compute the same operations in the same order, rounded to the inputs'
+// dtype where torch's separate operations round (R below; nothing for float32), so their results are torch's.
 //
-// gate, up and dh: contiguous, the same shape, float32 or bf16 (all three alike). The arithmetic is torch's,
-// operation for operation in float32 (its CPU silu and silu_backward formulas, exp by the same Sleef
-// function), rounded to the inputs' dtype where torch's separate operations round (R below; nothing for
-// float32), so the results are torch's:
+// The gated MLP's activation: torch.ops.astrai.swiglu(gate, up) -> silu(gate) * up and
+// torch.ops.astrai.swiglu_backward(dh, gate, up) -> (d gate, d up). gate, up and dh: contiguous, one shape,
+// float32 or bf16 alike. torch's CPU silu and silu_backward formulas, exp by the same Sleef function:
 //   s = R(g / (1 + exp(-g)));  h = R(s u);  d up = R(dh s);
 //   sig = 1 / (1 + exp(-g));  d gate = R(R(dh u) sig (1 + g (1 - sig))).
+//
+// Rotary embedding: torch.ops.astrai.rotary(x, cos, sin, transposed) for x [T, H, D] contiguous, cos and sin
+// [T, D] contiguous, all of one dtype (float32 or bf16); with rot(x) = (-x2, x1) for the halves x1, x2:
+//   forward (transposed false):  R(R(x cos) + R(rot(x) sin))       (astrai.model.rope's x * cos + rotate_half(x) * sin)
+//   backward (transposed true):  R(R(g cos) + rot^T(R(g sin)))     with rot^T(y1, y2) = (y2, -y1)
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,7 +50,12 @@ __attribute__((target("avx512f"))) inline __m512 one_plus_exp_neg(__m512 g) {
 }
 
 // x rounded to T and widened back (nothing for float32)
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(float*, __m512 x) { return x; }
+// (for float32 the value is kept as it is, and the compiler may not fuse the operation that made it into the
+// next one: torch's separate operations round each product before a sum, so no multiply-add may contract them)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(float*, __m512 x) {
+  __asm__("" : "+v"(x));
+  return x;
+}
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(bf16*, __m512 x) {
   // as store(bf16) rounds: to nearest even, in the upper 16 bits; a NaN keeps its top bits, made quiet
   const __m512i bits = _mm512_castps_si512(x);
@@ -96,6 +105,57 @@ void backward(const T* dh, const T* g, const T* u, T* dg, T* du, int64_t n) {
   at::parallel_for(0, n, 16384, [&](int64_t b, int64_t e) { backward_range(dh, g, u, dg, du, b, e); });
 }
 
+// rows [b, e) of x [rows, D] (row t / H of cos and sin [T, D]) rotated; see the file's comment
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void rotary_range(const T* x, const T* cos, const T* sin, T* out,
+                                                                        int64_t H, int64_t D, bool transposed,
+                                                                        int64_t b, int64_t e) {
+  const int64_t half = D / 2;
+  for (int64_t row = b; row < e; ++row) {
+    const T* xr = x + row * D;
+    const T* c = cos + (row / H) * D;
+    const T* sn = sin + (row / H) * D;
+    T* o = out + row * D;
+    for (int64_t j = 0; j < half; j += 16) {
+      const __mmask16 m = astrai::tail_mask16(half - j);
+      const __m512 x1 = load(xr + j, m), x2 = load(xr + half + j, m);
+      const __m512 c1 = load(c + j, m), c2 = load(c + half + j, m);
+      const __m512 s1 = load(sn + j, m), s2 = load(sn + half + j, m);
+      T* nothing = nullptr;
+      const __m512 a1 = round_to(nothing, _mm512_mul_ps(x1, c1)), a2 = round_to(nothing, _mm512_mul_ps(x2, c2));
+      __m512 b1, b2;
+      if (!transposed) {  // rot(x) sin: (-x2 s1, x1 s2)
+        b1 = round_to(nothing, _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1));
+        b2 = round_to(nothing, _mm512_mul_ps(x1, s2));
+      } else {  // rot^T(g sin): ((g sin)2, -(g sin)1)
+        b1 = round_to(nothing, _mm512_mul_ps(x2, s2));
+        b2 = _mm512_sub_ps(_mm512_setzero_ps(), round_to(nothing, _mm512_mul_ps(x1, s1)));
+      }
+      store(o + j, m, _mm512_add_ps(a1, b1));
+      store(o + half + j, m, _mm512_add_ps(a2, b2));
+    }
+  }
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool transposed) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
+                  x.size(2) % 2 == 0 && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "rotary: contiguous x [T, H, D] (D even), cos and sin [T, D], one dtype (float32 or bf16)");
+  at::Tensor out = at::empty_like(x);
+  const int64_t H = x.size(1), D = x.size(2), rows = x.size(0) * H;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t b, int64_t e) {
+    if (x.scalar_type() == at::kFloat)
+      rotary_range(x.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
+                   out.data_ptr<float>(), H, D, transposed, b, e);
+    else
+      rotary_range(x.const_data_ptr<bf16>(), cos.const_data_ptr<bf16>(), sin.const_data_ptr<bf16>(),
+                   out.data_ptr<bf16>(), H, D, transposed, b, e);
+  });
+  return out;
+}
+
 void check(const std::vector<const at::Tensor*>& ts) {
   for (const at::Tensor* t : ts) {
     TORCH_CHECK(t->is_contiguous() && t->sizes() == ts[0]->sizes() && t->scalar_type() == ts[0]->scalar_type() &&
@@ -131,9 +191,11 @@ std::vector<at::Tensor> swiglu_backward(const at::Tensor& dh, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(astrai, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor dh, Tensor gate, Tensor up) -> Tensor[]");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool transposed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai, CPU, m) {
   m.impl("swiglu", &swiglu);
   m.impl("swiglu_backward", &swiglu_backward);
+  m.impl("rotary", &rotary);
 }
