@@ -13,9 +13,15 @@
 // [T, D] contiguous, all of one dtype (float32 or bf16); with rot(x) = (-x2, x1) for the halves x1, x2:
 //   forward (transposed false):  R(R(x cos) + R(rot(x) sin))       (astrai.model.rope's x * cos + rotate_half(x) * sin)
 //   backward (transposed true):  R(R(g cos) + rot^T(R(g sin)))     with rot^T(y1, y2) = (y2, -y1)
+//
+// RMSNorm of float32 rows: torch.ops.astrai.rms_norm(x [N, H], w [H], eps) -> (y = w (x r), r [N]) with
+// r = 1 / sqrt(sum(x^2) / H + eps), and torch.ops.astrai.rms_norm_backward(g, x, w, r, weight_grad) ->
+// (dx = r (w g - x r^2 sum(w g x) / H), dw = sum over rows of g x r, or an empty tensor). float32 throughout;
+// the sums in another order than torch's reductions, so within a few units of float32 of torch's results.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 #include <immintrin.h>
@@ -156,6 +162,88 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// rows [b, e) of y = w (x r), r = 1 / sqrt(mean(x^2) + eps)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void rms_norm_range(const float* x, const float* w, float eps,
+                                                                          int64_t H, float* y, float* r, int64_t b,
+                                                                          int64_t e) {
+  for (int64_t row = b; row < e; ++row) {
+    const float* xr = x + row * H;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < H; j += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(astrai::tail_mask16(H - j), xr + j);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float rs = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(H) + eps);
+    r[row] = rs;
+    const __m512 rv = _mm512_set1_ps(rs);
+    for (int64_t j = 0; j < H; j += 16) {
+      const __mmask16 m = astrai::tail_mask16(H - j);
+      const __m512 h = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), rv);
+      _mm512_mask_storeu_ps(y + row * H + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), h));
+    }
+  }
+}
+
+// rows [b, e) of dx; dw_part (H floats, or null) += sum over the rows of g x r
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void rms_norm_backward_range(
+    const float* g, const float* x, const float* w, const float* r, int64_t H, float* dx, float* dw_part, int64_t b,
+    int64_t e) {
+  for (int64_t row = b; row < e; ++row) {
+    const float *gr = g + row * H, *xr = x + row * H;
+    const __m512 rv = _mm512_set1_ps(r[row]);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < H; j += 16) {
+      const __mmask16 m = astrai::tail_mask16(H - j);
+      const __m512 wg = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), _mm512_maskz_loadu_ps(m, gr + j));
+      acc = _mm512_fmadd_ps(wg, _mm512_maskz_loadu_ps(m, xr + j), acc);
+    }
+    const float rr = r[row];
+    const __m512 k = _mm512_set1_ps(rr * rr * _mm512_reduce_add_ps(acc) / static_cast<float>(H));
+    for (int64_t j = 0; j < H; j += 16) {
+      const __mmask16 m = astrai::tail_mask16(H - j);
+      const __m512 gv = _mm512_maskz_loadu_ps(m, gr + j), xv = _mm512_maskz_loadu_ps(m, xr + j);
+      const __m512 wg = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), gv);
+      _mm512_mask_storeu_ps(dx + row * H + j, m, _mm512_mul_ps(rv, _mm512_fnmadd_ps(xv, k, wg)));
+      if (dw_part) {
+        const __m512 d = _mm512_maskz_loadu_ps(m, dw_part + j);
+        _mm512_mask_storeu_ps(dw_part + j, m, _mm512_fmadd_ps(gv, _mm512_mul_ps(xv, rv), d));
+      }
+    }
+  }
+}
+
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && w.dim() == 1 &&
+                  w.is_contiguous() && w.scalar_type() == at::kFloat && w.size(0) == x.size(1),
+              "rms_norm: contiguous float32 x [N, H] and w [H]");
+  const int64_t N = x.size(0), H = x.size(1);
+  at::Tensor y = at::empty_like(x), r = at::empty({N}, x.options());
+  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1)), [&](int64_t b, int64_t e) {
+    rms_norm_range(x.const_data_ptr<float>(), w.const_data_ptr<float>(), static_cast<float>(eps), H,
+                   y.data_ptr<float>(), r.data_ptr<float>(), b, e);
+  });
+  return {y, r};
+}
+
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w,
+                                          const at::Tensor& r, bool weight_grad) {
+  TORCH_CHECK(g.sizes() == x.sizes() && g.is_contiguous() && g.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous() && x.scalar_type() == at::kFloat && w.is_contiguous() &&
+                  w.scalar_type() == at::kFloat && w.size(0) == x.size(1) && r.is_contiguous() && r.size(0) == x.size(0),
+              "rms_norm_backward: contiguous float32 g, x [N, H], w [H], r [N]");
+  const int64_t N = x.size(0), H = x.size(1);
+  const int threads = at::get_num_threads();
+  at::Tensor dx = at::empty_like(x);
+  // one partial weight gradient per thread, summed in thread order: the same bits for the same thread count
+  at::Tensor parts = weight_grad ? at::zeros({threads, H}, x.options()) : at::Tensor();
+  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1)), [&](int64_t b, int64_t e) {
+    float* part = weight_grad ? parts.data_ptr<float>() + at::get_thread_num() * H : nullptr;
+    rms_norm_backward_range(g.const_data_ptr<float>(), x.const_data_ptr<float>(), w.const_data_ptr<float>(),
+                            r.const_data_ptr<float>(), H, dx.data_ptr<float>(), part, b, e);
+  });
+  return {dx, weight_grad ? parts.sum(0) : at::empty({0}, x.options())};
+}
+
 void check(const std::vector<const at::Tensor*>& ts) {
   for (const at::Tensor* t : ts) {
     TORCH_CHECK(t->is_contiguous() && t->sizes() == ts[0]->sizes() && t->scalar_type() == ts[0]->scalar_type() &&
@@ -192,10 +280,14 @@ TORCH_LIBRARY_FRAGMENT(astrai, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor dh, Tensor gate, Tensor up) -> Tensor[]");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool transposed) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor[]");
+  m.def("rms_norm_backward(Tensor g, Tensor x, Tensor w, Tensor r, bool weight_grad) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(astrai, CPU, m) {
   m.impl("swiglu", &swiglu);
   m.impl("swiglu_backward", &swiglu_backward);
   m.impl("rotary", &rotary);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_backward", &rms_norm_backward);
 }

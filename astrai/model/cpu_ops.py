@@ -19,7 +19,13 @@ Rotary embedding: `rotary(x, cos, sin)` = x * cos + rotate_half(x) * sin (astrai
 backward each one pass of `torch.ops.astrai.rotary` (torch runs four to six), the same operations rounded where
 torch's round: torch's results to the bit; `rotary_usable(x, cos)`: float32 or bf16 CPU tensors alike.
 
-Both need AVX-512 (F, BW, VL), the kernels built (astrai.kernels.cpu_build), not torch.compile's tracing,
+RMSNorm of float32 activations (a layer's input and post-attention norms: the residual stream is float32 in
+fp32 and bf16-mixed training): `rms_norm(x, w, eps)` = w * (x * rsqrt(mean(x^2) + eps)), forward and backward
+each one pass of `torch.ops.astrai.rms_norm(_backward)` (torch runs six and about ten), float32 throughout, the
+sums in another order than torch's (a few float32 units apart); `rms_norm_usable(x, w)`, with or without
+gradients, as swiglu.
+
+All of them need AVX-512 (F, BW, VL), the kernels built (astrai.kernels.cpu_build), not torch.compile's tracing,
 and `ASTRAI_NATIVE` not 0. The engine's own layers (astrai.infer) compute their activation themselves.
 """
 
@@ -68,6 +74,12 @@ def rotary_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether rotary runs for x [T, H, D] and cos [T, D] (see the module docstring)."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 3
             and x.shape[-1] % 2 == 0 and not torch.compiler.is_compiling() and _ready(bf16_products=False))
+
+
+def rms_norm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether rms_norm runs for x [..., H] and w [H] (see the module docstring)."""
+    return (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 1
+            and x.shape[-1] == w.shape[0] and not torch.compiler.is_compiling() and _ready(bf16_products=False))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -133,3 +145,25 @@ class _Rotary(torch.autograd.Function):
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by cos, sin [T, D] contiguous in x's dtype; `rotary_usable` first."""
     return _Rotary.apply(x, cos, sin)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y, r = torch.ops.astrai.rms_norm(x2, w.contiguous(), eps)
+        ctx.save_for_backward(x2, w, r)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w, r = ctx.saved_tensors
+        dx, dw = torch.ops.astrai.rms_norm_backward(g.reshape(x2.shape).float().contiguous(), x2, w.contiguous(), r,
+                                                     ctx.needs_input_grad[1])
+        return dx.view(ctx.shape), (dw if ctx.needs_input_grad[1] else None), None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * (x * rsqrt(mean(x^2, -1) + eps)) for float32 x [..., H], w [H]; `rms_norm_usable` first."""
+    return _RMSNorm.apply(x, w, float(eps))

@@ -195,3 +195,32 @@ def test_rotary_is_torchs_to_the_bit(dtype, t, h, d):
     ref.backward(up)
     assert ours.dtype == dtype and torch.equal(ours, ref)
     assert torch.equal(ours_x.grad, ref_x.grad)
+
+
+@needs_avx512
+@pytest.mark.parametrize("shape", [(1, 16), (7, 3, 40), (512, 576), (33, 2048)])
+def test_rms_norm_matches_float64_and_the_model_takes_it(shape, monkeypatch):
+    """Forward and backward against float64 autograd of the same float32 values (float32 sums of H terms: up to
+    H units of 2^-24 of the result's size, eight times for safety), and the model's RMSNorm taking it."""
+    from astrai.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.rand(shape[-1], generator=g) + 0.5
+    up = torch.randn(shape, generator=g)
+    ours_x, ours_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = cpu_ops.rms_norm(ours_x, ours_w, 1e-5)
+    y.backward(up)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5))
+    ref.backward(up.double())
+    h = shape[-1]
+    for got, want in ((y, ref), (ours_x.grad, xd.grad), (ours_w.grad, wd.grad)):
+        scale = want.abs().max() if got is not ours_w.grad else (up.double().abs() * 3).sum(tuple(range(len(shape) - 1))).max()
+        assert (got.double() - want).abs().max() <= 8 * h * 2.0 ** -24 * scale
+    norm = RMSNorm(h, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    calls, kernel = [], cpu_ops.rms_norm
+    monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: (calls.append(1), kernel(*a))[1])
+    assert torch.equal(norm(x), y.detach()) and calls == [1]
