@@ -22,7 +22,6 @@ them again.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
@@ -41,52 +40,8 @@ from astrai.infer.kv_storage import KVStorage
 from astrai.infer.request import FINISHED, Request, SamplingParams, check_request
 from astrai.infer.runner import ModelRunner
 from astrai.infer.sampling import TokenLogprob, make_generator, sample
+from astrai.infer.outputs import Completion, EngineStats, StreamEvent  # noqa: F401  (callers import them here)
 from astrai.infer.scheduler import Scheduler
-
-
-
-@dataclass
-class Completion:
-    index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stop_reason: Optional[Union[int, str]] = None
-    logprobs: Optional[list[TokenLogprob]] = None
-    cached_tokens: int = 0
-    preemptions: int = 0
-    time_to_first_token: float = 0.0
-    latency: float = 0.0
-
-
-@dataclass
-class StreamEvent:
-    index: int  # position of the prompt in the call
-    token_id: int
-    text: str  # newly visible text (may be empty)
-    finish_reason: Optional[str] = None
-    completion: Optional[Completion] = None  # set on the last event of a request
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    step_seconds: float = 0.0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    requests: int = 0
-    constrained_requests: int = 0  # requests held to a grammar
-    grammar_failures: int = 0  # tokens a request's grammar refused (ends that request)
-
-    def as_dict(self, sched: Scheduler) -> dict:
-        return {"requests": self.requests, "steps": self.steps, "prompt_tokens": self.prompt_tokens,
-                "generated_tokens": self.generated_tokens, "seconds": self.step_seconds,
-                "tokens_per_second": self.generated_tokens / self.step_seconds if self.step_seconds else 0.0,
-                # share of the tokens requests brought at admission whose K/V came from the radix cache
-                "prefix_cache_hit_rate": sched.num_cached_tokens / max(sched.num_admitted_tokens, 1),
-                "preemptions": sched.num_preemptions, "constrained_requests": self.constrained_requests,
-                "grammar_failures": self.grammar_failures}
 
 
 class Engine:
