@@ -41,18 +41,16 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const bf16* a, int64_t lda, co
   blas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
 }
 
-// dst [rows, cols] bf16 (ld_dst) <- src [rows, cols] float32 (ld_src) * mul, rounded to nearest even
+// dst [rows, cols] bf16 (ld_dst) <- src [rows, cols] float32 (ld_src) * mul, rounded as torch rounds
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void to_bf16(const float* src, int64_t ld_src, bf16* dst,
-                                                          int64_t ld_dst, int64_t rows, int64_t cols, float mul) {
+                                                                   int64_t ld_dst, int64_t rows, int64_t cols,
+                                                                   float mul) {
   const __m512 m = _mm512_set1_ps(mul);
-  const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; c += 16) {
       const __mmask16 mask = astrai::tail_mask16(cols - c);
-      const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src + r * ld_src + c), m));
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, bias), odd), 16);
-      _mm256_mask_storeu_epi16(dst + r * ld_dst + c, mask, _mm512_cvtepi32_epi16(rounded));
+      const __m512 x = _mm512_maskz_loadu_ps(mask, src + r * ld_src + c);
+      astrai::store_bf16x16(dst + r * ld_dst + c, mask, _mm512_mul_ps(x, m));
     }
   }
 }
@@ -67,17 +65,12 @@ void transpose(const bf16* src, int64_t ld_src, bf16* dst, int64_t ld_dst, int64
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_bf16(const bf16* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // sum over d of a[d] * b[d], bf16 vectors of n
 __attribute__((target("avx512f,avx512bw,avx512vl"))) float dot_bf16(const bf16* a, const bf16* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < n; d += 16) {
     const __mmask16 mask = astrai::tail_mask16(n - d);
-    acc = _mm512_fmadd_ps(load_bf16(a + d, mask), load_bf16(b + d, mask), acc);
+    acc = _mm512_fmadd_ps(astrai::load_bf16x16(a + d, mask), astrai::load_bf16x16(b + d, mask), acc);
   }
   return _mm512_reduce_add_ps(acc);
 }

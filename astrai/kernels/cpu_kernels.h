@@ -15,6 +15,28 @@ namespace astrai {
 
 __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) { return Sleef_expf16_u10(x); }
 
+// 16 lanes of bf16 <-> float32 (AVX-512 F/BW/VL). The lanes of `mask` are loaded, widened (the others 0)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_bf16x16(const at::BFloat16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// x rounded to bf16 as torch rounds (to nearest even; a NaN stays a NaN, made quiet): the bf16 in the upper 16
+// bits of each lane, the lower 16 bits zero (the rounded value as a float32)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i bf16_rounded_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+// the lanes of `mask` of x, rounded to bf16, stored at p
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_bf16x16(at::BFloat16* p, __mmask16 mask,
+                                                                                __m512 x) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16)));
+}
+
 // the lanes of a 16-wide vector that hold elements when `left` of them remain (all 16 once 16 or more do)
 inline __mmask16 tail_mask16(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);

@@ -36,19 +36,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load(const fl
   return _mm512_maskz_loadu_ps(m, p);
 }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load(const bf16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  return astrai::load_bf16x16(p, m);
 }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store(float* p, __mmask16 m, __m512 x) {
   _mm512_mask_storeu_ps(p, m, x);
 }
-// rounded to nearest even, as torch rounds float32 to bf16 (inputs here are finite or inf; a NaN stays a NaN)
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store(bf16* p, __mmask16 m, __m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+  astrai::store_bf16x16(p, m, x);
 }
 
 __attribute__((target("avx512f"))) inline __m512 one_plus_exp_neg(__m512 g) {
@@ -63,13 +57,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(floa
   return x;
 }
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 round_to(bf16*, __m512 x) {
-  // as store(bf16) rounds: to nearest even, in the upper 16 bits; a NaN keeps its top bits, made quiet
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm512_castsi512_ps(astrai::bf16_rounded_bits(x));
 }
 
 // elements [b, e) of h = silu(g) u
