@@ -38,7 +38,8 @@ import torch
 
 from astrai.runtime.hardware import BF16_CPU_FLAGS, cpu_flags
 
-BLOCK = 64  # positions per block of the attention backward's products (64 and 128 ran alike at 512 tokens)
+BLOCK = 128  # positions per block of the attention backward's products (bench/RESULTS.md: 64 and 128 alike at 512
+# tokens, 128 faster from 1,024: 35.7 against 44.8 ms at 2,048)
 _STATE: dict = {}  # "avx512": the kernels run here; "bf16": and the CPU multiplies bf16 fast (decided once)
 
 
@@ -60,8 +61,11 @@ def _training(*xs: torch.Tensor) -> bool:
 
 
 def attention_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal_attention runs for these [S, H, D] inputs (see the module docstring)."""
-    return q.dtype == k.dtype == v.dtype == torch.bfloat16 and _training(q, k, v) and _ready(bf16_products=True)
+    """Whether causal_attention runs for these [S, H, D] inputs (see the module docstring). Not for an empty
+    sequence: torch's flash forward op, called directly, dies of a division by zero there (SIGFPE); SDPA
+    handles it."""
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[0] > 0 and _training(q, k, v)
+            and _ready(bf16_products=True))
 
 
 def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:

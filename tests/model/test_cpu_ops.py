@@ -224,3 +224,12 @@ def test_rms_norm_matches_float64_and_the_model_takes_it(shape, monkeypatch):
     calls, kernel = [], cpu_ops.rms_norm
     monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: (calls.append(1), kernel(*a))[1])
     assert torch.equal(norm(x), y.detach()) and calls == [1]
+
+
+def test_an_empty_sequence_takes_torchs_attention():
+    """S = 0 (torch's flash forward op dies of a division by zero when called directly; SDPA handles it)."""
+    q, k, v = (torch.zeros(0, h, 16, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+    assert not cpu_ops.attention_usable(q, k, v)
+    out = causal_sdpa(q, k, v)
+    out.sum().backward()
+    assert out.shape == (0, 4, 16) and q.grad.shape == (0, 4, 16)
