@@ -119,14 +119,17 @@ std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout, const 
                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                   double scale_, int64_t BLOCK) {
   for (const at::Tensor* t : {&dout, &q, &k, &v, &out}) {
-    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kBFloat16 && t->stride(2) == 1 && t->stride(1) == t->size(2),
+    // (a single head's stride is whatever torch left it: it is never stepped over)
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kBFloat16 && t->stride(2) == 1 &&
+                    (t->size(1) == 1 || t->stride(1) == t->size(2)),
                 "causal_attention_backward: bf16 [S, H, D] tensors with rows of H x D contiguous");
   }
   TORCH_CHECK(BLOCK >= 16 && BLOCK <= 256, "causal_attention_backward: block of 16 to 256 positions");
   TORCH_CHECK(lse.dim() == 2 && lse.scalar_type() == at::kFloat, "causal_attention_backward: lse [Hq, S] float32");
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && k.size(0) == S && v.size(0) == S && k.size(2) == D && v.sizes() == k.sizes() &&
-                  out.sizes() == q.sizes() && dout.sizes() == q.sizes() && lse.size(0) == Hq && lse.size(1) == S,
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && k.size(0) == S && v.size(0) == S && k.size(2) == D &&
+                  v.sizes() == k.sizes() && out.sizes() == q.sizes() && dout.sizes() == q.sizes() &&
+                  lse.size(0) == Hq && lse.size(1) == S,
               "causal_attention_backward: shapes do not agree");
   const float scale = static_cast<float>(scale_);
   const int64_t G = Hq / Hkv, nb = (S + BLOCK - 1) / BLOCK;

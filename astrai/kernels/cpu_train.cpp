@@ -217,7 +217,8 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& g, const at::Tensor&
                                           const at::Tensor& r, bool weight_grad) {
   TORCH_CHECK(g.sizes() == x.sizes() && g.is_contiguous() && g.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.is_contiguous() && x.scalar_type() == at::kFloat && w.is_contiguous() &&
-                  w.scalar_type() == at::kFloat && w.size(0) == x.size(1) && r.is_contiguous() && r.size(0) == x.size(0),
+                  w.scalar_type() == at::kFloat && w.size(0) == x.size(1) && r.is_contiguous() &&
+                  r.size(0) == x.size(0),
               "rms_norm_backward: contiguous float32 g, x [N, H], w [H], r [N]");
   const int64_t N = x.size(0), H = x.size(1);
   const int threads = at::get_num_threads();

@@ -11,9 +11,9 @@ needs a gradient, on a CPU with `avx512_bf16` or `amx_bf16` (elsewhere torch's b
 
 The gated MLP's activation: `swiglu(gate, up)` = silu(gate) * up, forward and backward each one pass of
 `torch.ops.astrai.swiglu(_backward)` (torch runs five, each widening bf16 and rounding back), torch's own
-arithmetic rounded where its operators round (equal to torch's results but for its scalar tails' libm exp); `swiglu_usable(gate, up)`: float32 or bf16 CPU tensors alike, with or without
-gradients (a policy scored without them, GRPO's old policy or DPO's reference, computes what its training
-forward computes, to the bit).
+arithmetic rounded where its operators round (equal to torch's results but for its scalar tails' libm exp);
+`swiglu_usable(gate, up)`: float32 or bf16 CPU tensors alike, with or without gradients (a policy scored
+without them, GRPO's old policy or DPO's reference, computes what its training forward computes, to the bit).
 
 Rotary embedding: `rotary(x, cos, sin)` = x * cos + rotate_half(x) * sin (astrai.model.rope), forward and
 backward each one pass of `torch.ops.astrai.rotary` (torch runs four to six), the same operations rounded where
@@ -26,7 +26,8 @@ sums in another order than torch's (a few float32 units apart); `rms_norm_usable
 gradients, as swiglu.
 
 All of them need AVX-512 (F, BW, VL), the kernels built (astrai.kernels.cpu_build), not torch.compile's tracing,
-and `ASTRAI_NATIVE` not 0. The engine's own layers (astrai.infer) compute their activation themselves.
+and `ASTRAI_NATIVE` neither 0 nor avx2 (what an AVX2-only CPU runs: torch's operators). The engine's own
+layers (astrai.infer) compute their activation themselves.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ _STATE: dict = {}  # "avx512": the kernels run here; "bf16": and the CPU multipl
 def _ready(bf16_products: bool) -> bool:
     if "avx512" not in _STATE:
         flags = cpu_flags() or frozenset()
-        ok = os.environ.get("ASTRAI_NATIVE", "1") != "0" and {"avx512f", "avx512bw", "avx512vl"} <= flags
+        # ASTRAI_NATIVE=avx2 asks for what an AVX2-only CPU runs: torch's operators here
+        ok = os.environ.get("ASTRAI_NATIVE", "1") not in ("0", "avx2") and {"avx512f", "avx512bw", "avx512vl"} <= flags
         if ok:
             from astrai.kernels.cpu_build import built
 
@@ -88,7 +90,9 @@ def rms_norm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [S, H, D] with heads D apart and elements contiguous (rows may be further apart), as the kernel reads."""
-    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+    if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
+        return x  # (one head: its stride is never stepped over, and contiguous() may leave it as it is)
+    return x.contiguous()
 
 
 class _CausalAttention(torch.autograd.Function):
