@@ -37,10 +37,10 @@ from astrai.text.template import ChatTemplate
 from astrai.infer.detokenize import OutputText
 from astrai.infer.grammar import GrammarTokens
 from astrai.infer.kv_storage import KVStorage
+from astrai.infer.outputs import Completion, EngineStats, StreamEvent
 from astrai.infer.request import FINISHED, Request, SamplingParams, check_request
 from astrai.infer.runner import ModelRunner
 from astrai.infer.sampling import TokenLogprob, make_generator, sample
-from astrai.infer.outputs import Completion, EngineStats, StreamEvent  # noqa: F401  (callers import them here)
 from astrai.infer.scheduler import Scheduler
 
 

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.kernels.cpu_build import build_dir, built  # noqa: F401  (build_dir: where they are built)
+from astrai.kernels.cpu_build import built
 from astrai.runtime.hardware import cpu_flags
 
 GEMV_ROWS = 4  # steps of up to this many rows use the kernels (bench/RESULTS.md: level with torch's from ~8)

@@ -32,7 +32,8 @@ _STATE: dict = {}  # "built": the outcome, once decided in this process
 
 def build_dir() -> Path:
     """Where the kernels of this source and torch version are built (inside astrai's cache)."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, HEADER]) + torch.__version__.encode()).hexdigest()[:16]
+    sources = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    digest = hashlib.sha256(sources + torch.__version__.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu_gemv-{digest}"
 
 
@@ -70,23 +71,11 @@ def _build() -> None:
     load(name="astrai_cpu_gemv", sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"],
          build_directory=str(where), is_python_module=False, verbose=False)
 
-    # shapes for torch.compile's tracing (the compiled decode calls the operators inside its graph)
-    @torch.library.register_fake("astrai::gemv_bf16")
-    def _(x, w, isa, max_rows):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("astrai::gemv_int4")
-    def _(x, codes, scales, offsets):
-        return x.new_empty((x.shape[0], codes.shape[0]))
+    # shapes for torch.compile's tracing (the compiled decode calls the operators inside its graph): the products
+    # give x's rows by the weight's output rows (its first dimension, the int4 codes' too)
+    for product in ("gemv_bf16", "gemv_f32", "gemv_int8", "gemv_int4"):
+        torch.library.register_fake(f"astrai::{product}")(lambda x, w, *rest: x.new_empty((x.shape[0], w.shape[0])))
 
     @torch.library.register_fake("astrai::rms_norm_cast")
     def _(x, w, eps, to_bf16):
         return x.new_empty(x.shape, dtype=torch.bfloat16 if to_bf16 else torch.float32)
-
-    @torch.library.register_fake("astrai::gemv_f32")
-    def _(x, w, isa, max_rows):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("astrai::gemv_int8")
-    def _(x, w, scales, isa):
-        return x.new_empty((x.shape[0], w.shape[0]))

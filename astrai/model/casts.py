@@ -12,6 +12,8 @@ casts it per product, three times for q/k/v, and casts each product's gradient b
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -27,6 +29,7 @@ def tensor_version(w: torch.Tensor) -> int:
 
 
 def frozen_cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w in `dtype`, cast once and kept while w is unchanged (see the module docstring)."""
     if w.dtype == dtype:
         return w
     key = (w.data_ptr(), tensor_version(w), dtype)
@@ -37,13 +40,14 @@ def frozen_cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return held[1]
 
 
+def autocast_dtype(device: str) -> Optional[torch.dtype]:
+    """autocast's dtype for `device` (a device type: "cpu", "cuda") while autocast is on there, else None."""
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def shared_input(x: torch.Tensor) -> torch.Tensor:
     """x in autocast's dtype where autocast is on for x's device and x is float32 (what autocast would give each
     product that reads x, cast once; the products' gradients then sum in that dtype, one rounding more, and are
     cast back once); x itself otherwise."""
-    device = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        if dtype != torch.float32:
-            return x.to(dtype)
-    return x
+    dtype = autocast_dtype(x.device.type) if x.dtype == torch.float32 else None
+    return x if dtype is None else x.to(dtype)

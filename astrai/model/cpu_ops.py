@@ -62,6 +62,12 @@ def _training(*xs: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def _elementwise(x: torch.Tensor) -> bool:
+    """Whether the elementwise kernels may take x: a CPU tensor, outside torch.compile's tracing, on a CPU they
+    run on."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and _ready(bf16_products=False)
+
+
 def attention_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether causal_attention runs for these [S, H, D] inputs (see the module docstring). Not for an empty
     sequence: torch's flash forward op, called directly, dies of a division by zero there (SIGFPE); SDPA
@@ -72,20 +78,19 @@ def attention_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether swiglu runs for these inputs (see the module docstring)."""
-    return (gate.device.type == "cpu" and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16)
-            and gate.shape == up.shape and not torch.compiler.is_compiling() and _ready(bf16_products=False))
+    return (gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16) and gate.shape == up.shape
+            and _elementwise(gate))
 
 
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether rotary runs for x [T, H, D] and cos [T, D] (see the module docstring)."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 3
-            and x.shape[-1] % 2 == 0 and not torch.compiler.is_compiling() and _ready(bf16_products=False))
+    return (x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 3 and x.shape[-1] % 2 == 0
+            and cos.shape == (x.shape[0], x.shape[2]) and _elementwise(x))
 
 
 def rms_norm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether rms_norm runs for x [..., H] and w [H] (see the module docstring)."""
-    return (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 1
-            and x.shape[-1] == w.shape[0] and not torch.compiler.is_compiling() and _ready(bf16_products=False))
+    return x.dtype == w.dtype == torch.float32 and w.dim() == 1 and x.shape[-1] == w.shape[0] and _elementwise(x)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

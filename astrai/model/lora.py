@@ -14,8 +14,8 @@ precision (`cast`: the base and the activations in `dtype`, A and B in float32, 
 float64 run); like PEFT, the adapter path computes in its own dtype and adds its result in the
 activations' dtype. Under autocast (bf16-mixed training) over a frozen full-precision base, the products are
 autocast's own, but the base weight's bf16 copy is made once (astrai.model.casts) instead of at every forward,
-and the scale multiplies the rank-r product. `adapters_disabled(model)` switches every adapter off for a forward, so the
-frozen base doubles as a reference model (DPO, GRPO's KL) without a second copy of its weights:
+and the scale multiplies the rank-r product. `adapters_disabled(model)` switches every adapter off for a
+forward, so the frozen base doubles as a reference model (DPO, GRPO's KL) without a second copy of its weights:
 `BaseView(model)` is that reference.
 
 QLoRA (`quantize_base`): the frozen base's decoder projections, adapted or not, held in NF4
@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from astrai.config.train import LORA_DEFAULT_TARGETS, LORA_TARGETS
-from astrai.model.casts import frozen_cast
+from astrai.model.casts import autocast_dtype, frozen_cast
 from astrai.model.quant import QuantizedLinear, dequantized, quantize_layers
 
 
@@ -87,7 +87,7 @@ class LoraLinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = _autocast_dtype(x)
+        dtype = autocast_dtype(x.device.type)
         if dtype is not None and type(self.base_layer) is nn.Linear and not self.base_layer.weight.requires_grad:
             return self._autocast_forward(x, dtype)
         y = self.base_layer(x)
@@ -112,13 +112,6 @@ class LoraLinear(nn.Module):
         # y + a @ B^T as one product (addmm adds into its result: no separate pass over the [tokens, out] sum)
         out = torch.addmm(y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1]), self.lora_B.weight.to(dtype).t())
         return out.view(y.shape)
-
-
-
-def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
-    """autocast's dtype for x's device while autocast is on there, else None."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 LINEAR = (nn.Linear, QuantizedLinear)  # a base layer: full precision, or quantized as the checkpoint was loaded

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from astrai.config.train import LOSS_CHUNK
-from astrai.model.casts import frozen_cast
+from astrai.model.casts import autocast_dtype, frozen_cast
 from astrai.model.transformer import acc_dtype, at_least_float32
 from astrai.schema import IGNORE_INDEX
 
@@ -75,9 +75,8 @@ def _head(h: torch.Tensor, weight: torch.Tensor, softcap: Optional[float]) -> to
 def _frozen_in_autocast(weight: torch.Tensor, device: str) -> torch.Tensor:
     """A frozen head weight (LoRA's tied embedding) in autocast's dtype, cast once (astrai.model.casts), while
     autocast is on; else the weight (autocast casts it, caching weights that train itself)."""
-    if weight.requires_grad or not torch.is_autocast_enabled(device):
-        return weight
-    return frozen_cast(weight, torch.get_autocast_dtype(device))
+    dtype = autocast_dtype(device)
+    return weight if weight.requires_grad or dtype is None else frozen_cast(weight, dtype)
 
 
 def _autocast_operands(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,11 +84,10 @@ def _autocast_operands(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Ten
     autocast does not reach inside a custom autograd function (its products write into preallocated
     buffers), so they are cast here, as autocast casts a plain head's, and the function runs its
     half-precision path (bf16 products, float32 softmax, loss and weight-gradient accumulation)."""
-    device = h.device.type
-    if not torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(h.device.type)
+    if dtype is None:
         return h, weight
-    dtype = torch.get_autocast_dtype(device)
-    return h.to(dtype), _frozen_in_autocast(weight, device).to(dtype)
+    return h.to(dtype), _frozen_in_autocast(weight, h.device.type).to(dtype)
 
 
 def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mode: str = "full",
